@@ -1,0 +1,173 @@
+"""Per-request sampling and stopping options, named as in vLLM.
+
+Every option accepted here is honoured by the engine; values it cannot honour
+are refused with a `ValueError` naming the field. Greedy decoding is
+`temperature == 0`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+__all__ = ["SamplingParams"]
+
+_MAX_LOGPROBS = 20
+
+
+def _fail(name: str, value: object, rule: str) -> None:
+    raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample and when to stop.
+
+    top_k None means no top-k cut; max_tokens None means up to max_model_len;
+    logprobs / prompt_logprobs N return the top-N alternatives (plus the chosen
+    token) per position; None returns none.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Token-id sequences for `bad_words`, filled in by the engine's tokenizer.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        self._normalize_sequences()
+        self._check_numbers()
+        self._check_tokens()
+
+    def _normalize_sequences(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
+            _fail("stop", self.stop, "a string or a sequence of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        bad = self.bad_words
+        if isinstance(bad, str) or not isinstance(bad, tuple | list) or not all(
+            isinstance(w, str) and w for w in bad
+        ):
+            _fail("bad_words", self.bad_words, "a sequence of non-empty strings")
+        object.__setattr__(self, "bad_words", tuple(bad))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            value = getattr(self, name)
+            if value is None and name == "allowed_token_ids":
+                continue
+            if not isinstance(value, tuple | list) or not all(
+                _is_int(t) and t >= 0 for t in value
+            ):
+                _fail(name, value, "a sequence of non-negative token ids")
+            object.__setattr__(self, name, tuple(value))
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            _fail("allowed_token_ids", self.allowed_token_ids, "None or non-empty")
+        words = tuple(tuple(int(t) for t in w) for w in self.bad_words_token_ids)
+        object.__setattr__(self, "bad_words_token_ids", words)
+
+    def _check_numbers(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            _fail("n", self.n, "an int >= 1")
+        if not _is_num(self.temperature) or not math.isfinite(self.temperature) or (
+            self.temperature < 0
+        ):
+            _fail("temperature", self.temperature, "a finite number >= 0")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "in (0, 1]")
+        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
+            _fail("top_k", self.top_k, "None or an int >= 1")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_num(value) or not -2.0 <= value <= 2.0:
+                _fail(name, value, "in [-2, 2]")
+        rp = self.repetition_penalty
+        if not _is_num(rp) or not math.isfinite(rp) or rp <= 0:
+            _fail("repetition_penalty", rp, "a finite number > 0")
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", self.seed, "None or an int")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", self.max_tokens, "None or an int >= 1")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            _fail("min_tokens", self.min_tokens, "an int >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
+                _fail(name, value, f"None or an int in [0, {_MAX_LOGPROBS}]")
+        if self.n > 1 and self.seed is not None and self.temperature == 0:
+            pass  # greedy samples are identical; allowed, as in vLLM
+
+    def _check_tokens(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            _fail("logit_bias", self.logit_bias, "a dict of token id -> bias")
+        clean: dict[int, float] = {}
+        for token, bias in self.logit_bias.items():
+            tid = int(token) if isinstance(token, str) and token.isdigit() else token
+            if not _is_int(tid) or tid < 0:
+                _fail("logit_bias", token, "keyed by non-negative token ids")
+            if not _is_num(bias) or not -100.0 <= bias <= 100.0:
+                _fail(f"logit_bias[{tid}]", bias, "a number in [-100, 100]")
+            clean[int(tid)] = float(bias)
+        object.__setattr__(self, "logit_bias", clean)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0
+
+    def max_token_id(self) -> int:
+        """Largest token id this object names (-1 if none), to check against a vocabulary."""
+        ids: list[int] = list(self.stop_token_ids)
+        ids.extend(self.allowed_token_ids or ())
+        ids.extend((self.logit_bias or {}).keys())
+        for word in self.bad_words_token_ids:
+            ids.extend(word)
+        return max(ids, default=-1)
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError when a token id named here is outside the vocabulary."""
+        checks: list[tuple[str, tuple[int, ...]]] = [
+            ("stop_token_ids", self.stop_token_ids),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+            ("logit_bias", tuple((self.logit_bias or {}).keys())),
+        ]
+        for name, ids in checks:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                _fail(name, bad, f"token ids < vocab size {vocab_size}")
+
+    def with_bad_words_token_ids(self, words: tuple[tuple[int, ...], ...]) -> SamplingParams:
+        """Copy carrying the tokenized `bad_words`."""
+        return replace(self, bad_words_token_ids=words)
