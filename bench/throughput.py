@@ -1,0 +1,133 @@
+"""Workload W1 throughput: eSurge vs transformers generate, same checkpoint, same run.
+
+W1: 32 prompts of 64-128 tokens cut from the Python standard library's source,
+64 new tokens each, greedy, ignore_eos, float32, all submitted at once. One
+warm-up set, then timed sets of fresh prompts (the prefix cache cannot help);
+medians reported. For the 150M model the script also measures the machine's
+matmul peak with XLA at the model's own weight shapes and reports the fraction
+of it the engine reaches.
+
+    .venv/bin/python bench/throughput.py [--models tiny,150m] [--sets 3] [--hf-sets 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import MODEL_SHAPES, make_checkpoint, timed, workload_w1
+
+NEW_TOKENS = 64
+
+
+def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float, list[float],
+                                                                                float]:
+    from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
+
+    config = Config(
+        SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=256,
+                        chunked_prefill_enabled=True, max_num_seq_buckets=(8, 16, 32)),
+        CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
+    )
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    llm = eSurge(model_dir, config, show_progress=False)
+    compile_s = time.perf_counter() - start
+    try:
+        llm.generate(sets[0], params)
+        rates = []
+        for prompts in sets[1:]:
+            seconds = timed(lambda p=prompts: llm.generate(p, params))
+            rates.append(len(prompts) * NEW_TOKENS / seconds)
+    finally:
+        llm.shutdown()
+    rates.sort()
+    return rates[len(rates) // 2], rates, compile_s
+
+
+def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float, list[float]]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    model.generation_config.eos_token_id = None
+
+    def run(prompts: list[list[int]]) -> None:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                           do_sample=False, pad_token_id=0)
+
+    run(sets[0][:4])
+    rates = sorted(len(p) * NEW_TOKENS / timed(lambda p=p: run(p)) for p in sets[1:])
+    return rates[len(rates) // 2], rates
+
+
+def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32) -> float:
+    """Best FLOP/s of XLA matmuls at the model's weight shapes (decode-sized batches)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    best = 0.0
+    for k, n in ((hidden, hidden), (hidden, inter), (inter, hidden), (hidden, 4096)):
+        x = jnp.asarray(np.random.rand(tokens, k).astype(np.float32))
+        w = jnp.asarray(np.random.rand(k, n).astype(np.float32))
+        f = jax.jit(lambda a, b: a @ b)
+        f(x, w).block_until_ready()
+        reps = 200
+        start = time.perf_counter()
+        for _ in range(reps):
+            out = f(x, w)
+        out.block_until_ready()
+        best = max(best, 2 * tokens * k * n * reps / (time.perf_counter() - start))
+    return best
+
+
+def workload_flops(shape: str, sets: list[list[int]], vocab: int = 4096) -> float:
+    """Matmul FLOPs of one W1 set: 2 * params * tokens plus attention scores."""
+    hidden, layers, heads, kv_heads, inter = MODEL_SHAPES[shape]
+    head_dim = hidden // heads
+    per_token = layers * (2 * hidden * (hidden + 2 * kv_heads * head_dim + hidden)
+                          + 2 * 3 * hidden * inter) + 2 * hidden * vocab
+    flops = 0.0
+    for prompt in sets:
+        total = len(prompt) + NEW_TOKENS
+        flops += per_token * total
+        flops += layers * 4 * heads * head_dim * total * total / 2  # causal QK^T and PV
+    return flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", default="tiny,150m")
+    parser.add_argument("--sets", type=int, default=3, help="timed sets (after one warm-up)")
+    parser.add_argument("--hf-sets", type=int, default=1, help="timed sets for transformers")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="esurge-bench-"))
+    for shape in args.models.split(","):
+        model_dir = make_checkpoint(workdir / shape, shape)
+        sets = workload_w1(model_dir, num_sets=1 + args.sets)
+        ours, our_runs, compile_s = engine_tokens_per_s(model_dir, sets)
+        theirs, hf_runs = hf_tokens_per_s(model_dir, sets[:1 + args.hf_sets])
+        print(f"[{shape}] eSurge {ours:,.0f} tok/s (runs {[round(r) for r in our_runs]}, "
+              f"warm-up+load {compile_s:.1f}s) | transformers {theirs:,.0f} tok/s "
+              f"(runs {[round(r) for r in hf_runs]}) | ratio {ours / theirs:.2f}x")
+        if shape == "150m":
+            hidden, _, _, _, inter = MODEL_SHAPES[shape]
+            peak = matmul_peak_flops(hidden, inter)
+            achieved = workload_flops(shape, sets[1]) / (len(sets[1]) * NEW_TOKENS / ours)
+            print(f"[{shape}] matmul peak {peak / 1e9:.1f} GFLOP/s, engine {achieved / 1e9:.1f} "
+                  f"GFLOP/s = {achieved / peak:.0%} of peak")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The engine: the core busy loop, the eSurge Python API and detokenization."""

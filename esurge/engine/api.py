@@ -1,0 +1,190 @@
+"""eSurge: the engine as a Python library (generate, stream, abort)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from esurge.config import CacheConfig, Config, SchedulerConfig
+from esurge.engine.core import EngineCore
+from esurge.engine.inputs import InputProcessor, Prompt
+from esurge.engine.loop import EngineDeadError, EngineLoop
+from esurge.engine.output_processor import OutputProcessor
+from esurge.engine.request_output import RequestOutput
+from esurge.models.loader import LoadedModel, load_model
+from esurge.runner.runner import eSurgeRunner
+from esurge.sampling_params import SamplingParams
+from esurge.scheduler.scheduler import Scheduler
+
+__all__ = ["default_config", "eSurge"]
+
+log = logging.getLogger(__name__)
+
+
+def default_config(model: LoadedModel, max_num_seqs: int = 32) -> Config:
+    """A config from the checkpoint: its context length, chunked prefill, a
+    memory-sized cache with prefix caching."""
+    max_len = int(getattr(model.hf_config, "max_position_embeddings", 0) or 2048)
+    return Config(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=min(2048, max_len),
+            max_model_len=max_len, chunked_prefill_enabled=True),
+        cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
+    )
+
+
+def _load_tokenizer(path: Path) -> Tokenizer | None:
+    file = path / "tokenizer.json"
+    return Tokenizer.from_file(str(file)) if file.is_file() else None
+
+
+def _print_progress(done: int, total: int, what: str) -> None:
+    width = 30
+    filled = width * done // total
+    sys.stderr.write(f"\r[warm-up] [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                     f"{what[:48]:<48}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+class eSurge:
+    """A loaded model served by a continuous-batching engine on a background thread.
+
+    model_dir holds config.json, *.safetensors and (optionally) tokenizer.json;
+    without a tokenizer, prompts must be token ids. config None derives one
+    from the checkpoint (see default_config).
+    """
+
+    def __init__(self, model_dir: str | Path, config: Config | None = None,
+                 dtype: str = "float32", *, tokenizer_dir: str | Path | None = None,
+                 memory_fraction: float = 0.25, warmup: bool = True,
+                 show_progress: bool = True, min_token_bucket: int = 16) -> None:
+        model_path = Path(model_dir)
+        self.model = load_model(model_path, dtype)
+        self.config = config if config is not None else default_config(self.model)
+        self._check_config(self.config)
+        self.tokenizer = _load_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_path)
+        self.runner = eSurgeRunner(self.model, self.config, memory_fraction=memory_fraction,
+                                   min_token_bucket=min_token_bucket)
+        self.scheduler = Scheduler.from_runner(
+            self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
+        self.warmup_seconds = (self.runner.warmup(_print_progress if show_progress else None)
+                               if warmup else 0.0)
+        sched = self.config.scheduler_config
+        self.inputs = InputProcessor(self.tokenizer, self.model.vocab_size,
+                                     self.model.eos_token_ids, sched.max_model_len)
+        core = EngineCore(self.scheduler, self.runner, async_scheduling=sched.async_scheduling)
+        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer))
+        self._loop.start()
+        self._ids = itertools.count()
+        self._id_lock = threading.Lock()
+
+    def _check_config(self, config: Config) -> None:
+        limit = getattr(self.model.hf_config, "max_position_embeddings", None)
+        max_len = config.scheduler_config.max_model_len
+        if limit is not None and max_len > int(limit):
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        if config.speculative_config is not None and config.speculative_config.use_eagle():
+            raise ValueError("speculative_config: Eagle speculative decoding is not available "
+                             "in this build yet; leave speculative_model unset")
+
+    @property
+    def loop(self) -> EngineLoop:
+        """The engine loop (for servers that drive requests themselves)."""
+        return self._loop
+
+    def next_request_id(self) -> str:
+        """A fresh request id."""
+        with self._id_lock:
+            return f"req-{next(self._ids)}"
+
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None,
+               callback: Any, *, request_id: str | None = None, priority: int = 0,
+               cache_salt: str | None = None) -> str:
+        """Validate and queue one request; outputs go to callback on the engine thread."""
+        rid = request_id or self.next_request_id()
+        prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
+        eos = self.inputs.eos_token_id
+        future = self._loop.submit(rid, prepared.prompt, prepared.prompt_token_ids,
+                                   prepared.params,
+                                   lambda ids: prepared.engine_requests(ids, eos), callback)
+        future.result()
+        return rid
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, priorities: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        params = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                  else [sampling_params] * len(plist))
+        if len(params) != len(plist):
+            raise ValueError(f"got {len(params)} sampling_params for {len(plist)} prompts")
+        results: queue.SimpleQueue[RequestOutput | EngineDeadError] = queue.SimpleQueue()
+
+        def on_output(item: RequestOutput | EngineDeadError) -> None:
+            if isinstance(item, EngineDeadError) or item.finished:
+                results.put(item)
+
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(plist, params, strict=True)):
+                prio = priorities[i] if priorities is not None else 0
+                ids.append(self.submit(prompt, p, on_output, priority=prio))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            item = results.get()
+            if isinstance(item, EngineDeadError):
+                raise item
+            done[item.request_id] = item
+        return [done[rid] for rid in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput per engine step with new tokens (delta fields set)."""
+        items: queue.SimpleQueue[RequestOutput | EngineDeadError] = queue.SimpleQueue()
+        rid = self.submit(prompt, sampling_params, items.put, request_id=request_id,
+                          priority=priority)
+        finished = False
+        try:
+            while not finished:
+                item = items.get()
+                if isinstance(item, EngineDeadError):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its pages are freed (no-op if it already ended)."""
+        self._loop.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread."""
+        self._loop.shutdown()
+
+    def __enter__(self) -> eSurge:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()

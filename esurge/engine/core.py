@@ -1,0 +1,95 @@
+"""EngineCore: one step is schedule -> execute -> update_from_output.
+
+With async scheduling the core keeps one step in flight: step N+1 is
+scheduled and dispatched to the device before step N's tokens are applied,
+so host work overlaps device work. The scheduler's placeholders make the two
+modes produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
+
+from esurge.engine_types import EngineCoreOutputs
+from esurge.outputs import ModelRunnerOutput
+from esurge.request import EngineRequest, EngineRequestStatus
+from esurge.scheduler.interface import SchedulerInterface
+from esurge.scheduler.output import SchedulerOutput
+
+__all__ = ["EngineCore", "ModelExecutor", "PendingStep"]
+
+
+class PendingStep(Protocol):
+    """A step dispatched to the device whose results are not read yet."""
+
+
+class ModelExecutor(Protocol):
+    """What the core needs from a model runner."""
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start a step on the device and return without waiting for it."""
+        ...
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a dispatched step and return its results."""
+        ...
+
+
+class EngineCore:
+    """Drives a scheduler and a model executor, one forward pass per step."""
+
+    def __init__(self, scheduler: SchedulerInterface, executor: ModelExecutor,
+                 async_scheduling: bool = False) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.async_scheduling = async_scheduling
+        self._in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (ValueError if the scheduler refuses it)."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str],
+                       status: EngineRequestStatus = EngineRequestStatus.FINISHED_ABORTED) -> None:
+        """End requests now; their pages are freed at once."""
+        self.scheduler.finish_requests(list(request_ids), status)
+
+    def has_work(self) -> bool:
+        """True while a step is in flight or the scheduler has anything to do."""
+        return bool(self._in_flight) or self.scheduler.has_requests()
+
+    def step(self) -> dict[int, EngineCoreOutputs]:
+        """Run one step; returns outputs keyed by client index (possibly empty)."""
+        if self.async_scheduling:
+            return self._step_pipelined()
+        if not self.scheduler.has_requests():
+            return {}
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.collect(self.executor.dispatch(scheduler_output))
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_pipelined(self) -> dict[int, EngineCoreOutputs]:
+        fresh: SchedulerOutput | None = None
+        if self.scheduler.has_requests() and len(self._in_flight) < 2:
+            scheduler_output = self.scheduler.schedule()
+            # An empty schedule still carries finished ids, so it is only
+            # skipped when a real step is in flight to carry them later.
+            if not scheduler_output.is_empty() or not self._in_flight:
+                self._in_flight.append((scheduler_output, self.executor.dispatch(scheduler_output)))
+                fresh = scheduler_output
+        if not self._in_flight:
+            return {}
+        if len(self._in_flight) == 1 and fresh is not None and not fresh.is_empty():
+            return {}  # keep the device busy: collect once the next step is queued
+        scheduler_output, pending = self._in_flight.popleft()
+        runner_output = self.executor.collect(pending)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def shutdown(self) -> None:
+        """Drain the in-flight steps and release the scheduler."""
+        while self._in_flight:
+            scheduler_output, pending = self._in_flight.popleft()
+            self.scheduler.update_from_output(scheduler_output, self.executor.collect(pending))
+        self.scheduler.shutdown()

@@ -1,0 +1,106 @@
+"""Turns caller prompts and options into validated engine requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from esurge.request import EngineRequest
+from esurge.sampling_params import SamplingParams
+
+__all__ = ["InputProcessor", "PreparedRequest"]
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedRequest:
+    """A validated request, ready to fan out into engine requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    arrival_time: float
+
+    def engine_requests(self, child_ids: list[str], eos_token_id: int | None
+                        ) -> list[EngineRequest]:
+        """One engine request per sample; sample i of a seeded request uses seed + i."""
+        out = []
+        for i, child_id in enumerate(child_ids):
+            params = self.params
+            if params.seed is not None and len(child_ids) > 1:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            out.append(EngineRequest(
+                request_id=child_id, prompt_token_ids=list(self.prompt_token_ids),
+                sampling_params=params, eos_token_id=eos_token_id, priority=self.priority,
+                arrival_time=self.arrival_time, cache_salt=self.cache_salt))
+        return out
+
+
+class InputProcessor:
+    """Tokenizes, validates against the model, and resolves model defaults."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
+        self._extra_eos = tuple(eos_token_ids[1:])
+        self.max_model_len = max_model_len
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of text; ValueError when the model has no tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("prompt is text but this model directory has no tokenizer.json; "
+                             "pass prompt token ids instead")
+        return list(self.tokenizer.encode(text).ids)
+
+    def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams | None,
+                priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
+        """Validate one request; every problem is a ValueError naming the field."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        total = len(ids) + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds max_model_len ({self.max_model_len})")
+        params = self._resolve(params)
+        params.validate_for_vocab(self.vocab_size)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        return PreparedRequest(request_id, text, ids, params, priority, cache_salt or None,
+                               time.time())
+
+    def _resolve(self, params: SamplingParams) -> SamplingParams:
+        changes: dict[str, object] = {}
+        if params.bad_words and not params.bad_words_token_ids:
+            words: list[tuple[int, ...]] = []
+            for word in params.bad_words:
+                for variant in (word, " " + word):
+                    ids = tuple(self.tokenize(variant))
+                    if ids and ids not in words:
+                        words.append(ids)
+            changes["bad_words_token_ids"] = tuple(words)
+        extra = tuple(t for t in self._extra_eos if t not in params.stop_token_ids)
+        if extra and not params.ignore_eos:
+            changes["stop_token_ids"] = params.stop_token_ids + extra
+        return dataclasses.replace(params, **changes) if changes else params  # type: ignore[arg-type]

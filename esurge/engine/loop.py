@@ -1,0 +1,188 @@
+"""The engine's busy loop on its own thread, and the thread-safe way in.
+
+Only the loop thread touches the scheduler, the runner and the output
+processor. Other threads (the Python API, the gRPC servicer) send commands
+through a queue and get results through per-request callbacks, called on the
+loop thread with snapshots they may keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from esurge.engine.core import EngineCore
+from esurge.engine.output_processor import OutputProcessor
+from esurge.engine.request_output import RequestOutput, snapshot
+from esurge.request import EngineRequest, EngineRequestStatus
+from esurge.sampling_params import SamplingParams
+
+__all__ = ["EngineDeadError", "EngineLoop", "OutputCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed or was shut down; the request cannot complete."""
+
+
+OutputCallback = Callable[[RequestOutput | EngineDeadError], None]
+
+
+@dataclass(slots=True)
+class _Submit:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    make_requests: Callable[[list[str]], list[EngineRequest]]
+    callback: OutputCallback
+    accepted: Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    """Runs EngineCore.step() on a daemon thread while there is work."""
+
+    def __init__(self, core: EngineCore, processor: OutputProcessor) -> None:
+        self.core = core
+        self.processor = processor
+        self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.num_steps = 0
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop runs and has not failed."""
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+               params: SamplingParams, make_requests: Callable[[list[str]], list[EngineRequest]],
+               callback: OutputCallback) -> Future[None]:
+        """Queue a request. The future resolves once the scheduler accepted it,
+        or fails with the scheduler's ValueError. make_requests builds the
+        engine requests for the given sample ids (on the loop thread)."""
+        accepted: Future[None] = Future()
+        if not self.alive:
+            accepted.set_exception(EngineDeadError("the engine is not running"))
+            return accepted
+        self._commands.put(_Submit(request_id, prompt, prompt_token_ids, params,
+                                   make_requests, callback, accepted))
+        return accepted
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still running (idempotent)."""
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; requests still running get an EngineDeadError."""
+        self._stopping = True
+        self._commands.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                block = not self.core.has_work()
+                if not self._drain_commands(block):
+                    break
+                if self.core.has_work():
+                    self._step()
+            self.core.shutdown()
+        except BaseException as exc:  # the loop must report, not vanish
+            log.exception("engine loop failed")
+            self.error = exc
+        finally:
+            self._fail_all(EngineDeadError(
+                f"engine loop stopped: {self.error!r}" if self.error else "engine shut down"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command is None:
+                return False
+            if isinstance(command, _Abort):
+                self._abort(command.request_id)
+            else:
+                self._add(command)
+
+    def _add(self, cmd: _Submit) -> None:
+        if self.processor.has_request(cmd.request_id):
+            cmd.accepted.set_exception(
+                ValueError(f"request_id {cmd.request_id!r} is already in flight"))
+            return
+        child_ids = self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids,
+                                               cmd.params)
+        added: list[str] = []
+        try:
+            for request in cmd.make_requests(child_ids):
+                self.core.add_request(request)
+                added.append(request.request_id)
+        except Exception as exc:
+            self.core.abort_requests(added)
+            self.processor.abort(cmd.request_id)
+            cmd.accepted.set_exception(exc)
+            return
+        self._callbacks[cmd.request_id] = cmd.callback
+        cmd.accepted.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        child_ids = self.processor.abort(request_id)
+        if child_ids:
+            self.core.abort_requests(child_ids)
+        self._callbacks.pop(request_id, None)
+
+    def _step(self) -> None:
+        outputs = self.core.step()
+        self.num_steps += 1
+        for client_outputs in outputs.values():
+            processed = self.processor.process(client_outputs.outputs)
+            if processed.stopped_by_string:
+                self.core.abort_requests(processed.stopped_by_string,
+                                         EngineRequestStatus.FINISHED_STOPPED)
+            for request_output in processed.request_outputs:
+                callback = self._callbacks.get(request_output.request_id)
+                if request_output.finished:
+                    self._callbacks.pop(request_output.request_id, None)
+                if callback is not None:
+                    self._deliver(callback, snapshot(request_output))
+
+    @staticmethod
+    def _deliver(callback: OutputCallback, item: RequestOutput | EngineDeadError) -> None:
+        try:
+            callback(item)
+        except Exception:  # a broken consumer must not take the engine down
+            log.exception("output callback failed")
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        callbacks, self._callbacks = self._callbacks, {}
+        for request_id, callback in callbacks.items():
+            self.processor.abort(request_id)
+            self._deliver(callback, error)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                command.accepted.set_exception(error)

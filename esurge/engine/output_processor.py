@@ -1,0 +1,164 @@
+"""Turns engine-core output deltas into caller-facing RequestOutputs.
+
+Owns detokenization and stop strings: when a sample's text reaches a stop
+string, the sample ends here and the caller is told which engine requests to
+finish in the scheduler. Parallel samples (n > 1) run as separate engine
+requests ("{i}_{request_id}") gathered back under their parent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from esurge.engine.detokenizer import IncrementalDetokenizer
+from esurge.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
+from esurge.engine_types import EngineCoreEventType, EngineCoreOutput
+from esurge.sampling_params import SamplingParams
+
+__all__ = ["OutputProcessor", "ProcessedOutputs", "child_request_ids"]
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """Engine request ids of a request's samples."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+@dataclass(slots=True)
+class _Sample:
+    parent: _Parent
+    completion: CompletionOutput
+    detok: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+
+
+@dataclass(slots=True)
+class _Parent:
+    output: RequestOutput
+    samples: list[_Sample] = field(default_factory=list)
+    seen_first: bool = False
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """One step's caller-facing results and the stop-string endings to apply."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    stopped_by_string: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Per-request output state between the engine core and the caller."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._samples: dict[str, _Sample] = {}
+        self._parents: dict[str, _Parent] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> list[str]:
+        """Track a request; returns the engine request ids of its samples."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids), outputs=[]))
+        self._parents[request_id] = parent
+        child_ids = child_request_ids(request_id, params.n)
+        for index, child_id in enumerate(child_ids):
+            detok = None
+            if self._tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self._tokenizer, prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output)
+            completion = CompletionOutput(index=index,
+                                          logprobs=[] if params.logprobs is not None else None)
+            parent.output.outputs.append(completion)
+            sample = _Sample(parent, completion, detok, RequestMetrics(arrival))
+            parent.samples.append(sample)
+            self._samples[child_id] = sample
+        parent.output.metrics = parent.samples[0].metrics
+        return child_ids
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is in flight."""
+        return request_id in self._parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """Engine ids of a parent's unfinished samples."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return []
+        return [cid for cid, s in self._samples.items()
+                if s.parent is parent and not s.completion.finished]
+
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one step's outputs; each touched parent appears once in the result."""
+        result = ProcessedOutputs()
+        touched: dict[int, _Parent] = {}
+        now = time.monotonic()
+        for out in outputs:
+            sample = self._samples.get(out.request_id)
+            if sample is None or sample.completion.finished:
+                continue
+            if self._apply(sample, out, now):
+                result.stopped_by_string.append(out.request_id)
+            touched[id(sample.parent)] = sample.parent
+            if sample.completion.finished:
+                del self._samples[out.request_id]
+        for parent in touched.values():
+            request_output = parent.output
+            request_output.finished = all(c.finished for c in request_output.outputs)
+            if request_output.finished:
+                del self._parents[request_output.request_id]
+            result.request_outputs.append(request_output)
+        return result
+
+    def _apply(self, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:
+        comp, metrics = sample.completion, sample.metrics
+        parent = sample.parent
+        if not parent.seen_first:
+            parent.seen_first = True
+            parent.output.num_cached_tokens = out.num_cached_tokens
+            if out.new_prompt_logprobs is not None:
+                parent.output.prompt_logprobs = list(out.new_prompt_logprobs)
+        elif out.new_prompt_logprobs and parent.output.prompt_logprobs is not None:
+            parent.output.prompt_logprobs.extend(out.new_prompt_logprobs)
+        for event in out.events or ():
+            if event.type is EngineCoreEventType.SCHEDULED and metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = event.timestamp
+        comp.delta_token_ids = list(out.new_token_ids)
+        comp.token_ids.extend(out.new_token_ids)
+        if out.new_token_ids:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.token_times.extend([now] * len(out.new_token_ids))
+        if comp.logprobs is not None and out.new_logprobs:
+            comp.logprobs.extend(out.new_logprobs)
+        comp.num_draft_tokens += out.num_draft_tokens
+        comp.num_accepted_tokens += out.num_accepted_tokens
+        stopped = False
+        if sample.detok is not None:
+            comp.delta_text = sample.detok.update(out.new_token_ids, finished=out.finished)
+            comp.text += comp.delta_text
+            if sample.detok.stop_string is not None and not out.finished:
+                comp.finish_reason, comp.stop_reason = "stop", sample.detok.stop_string
+                stopped = True
+        if out.finished and comp.finish_reason is None:
+            comp.finish_reason = str(out.finish_reason)
+            comp.stop_reason = out.stop_reason
+        if comp.finished:
+            metrics.finished_time = now
+        return stopped
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a parent; returns the engine ids still to abort in the scheduler."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = [cid for cid, s in self._samples.items() if s.parent is parent]
+        for cid in ids:
+            del self._samples[cid]
+        return ids

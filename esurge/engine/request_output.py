@@ -1,0 +1,93 @@
+"""What the eSurge Python API returns: per-request results and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from esurge.outputs import TokenLogprobs
+
+__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "snapshot"]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timings of one request (time.monotonic seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request (index < n).
+
+    text and token_ids are cumulative; delta_text and delta_token_ids hold
+    what is new since the previous streamed RequestOutput.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """True once this sample has ended."""
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state as the caller sees it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+
+
+def snapshot(output: RequestOutput) -> RequestOutput:
+    """A copy another thread may keep while the original keeps changing."""
+    completions = [
+        CompletionOutput(
+            index=c.index, text=c.text, token_ids=list(c.token_ids),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            logprobs=None if c.logprobs is None else list(c.logprobs),
+            delta_text=c.delta_text, delta_token_ids=list(c.delta_token_ids),
+            num_draft_tokens=c.num_draft_tokens, num_accepted_tokens=c.num_accepted_tokens,
+        )
+        for c in output.outputs
+    ]
+    metrics = output.metrics
+    if metrics is not None:
+        metrics = RequestMetrics(
+            metrics.arrival_time, metrics.first_scheduled_time, metrics.first_token_time,
+            metrics.last_token_time, metrics.finished_time, list(metrics.token_times))
+    return RequestOutput(
+        request_id=output.request_id, prompt=output.prompt,
+        prompt_token_ids=output.prompt_token_ids, outputs=completions, finished=output.finished,
+        num_cached_tokens=output.num_cached_tokens,
+        prompt_logprobs=None if output.prompt_logprobs is None else list(output.prompt_logprobs),
+        metrics=metrics,
+    )

@@ -1,0 +1,67 @@
+"""Padding buckets for the (token count, request count) shape of a step."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+__all__ = ["StepBuckets"]
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out: list[int] = []
+    size = lo
+    while size < hi:
+        out.append(size)
+        size *= 2
+    out.append(hi)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepBuckets:
+    """Token buckets (powers of two up to the step budget) and request buckets.
+
+    Every step pads to the smallest token and request buckets that hold it, so
+    the set of compiled shapes is fixed and known at warm-up.
+    """
+
+    token_buckets: tuple[int, ...]
+    request_buckets: tuple[int, ...]
+
+    @classmethod
+    def create(cls, max_num_batched_tokens: int, max_num_seqs: int,
+               seq_buckets: tuple[int, ...] | None = None, min_tokens: int = 16,
+               min_requests: int = 4) -> StepBuckets:
+        """Buckets for a step budget and request limit."""
+        requests = list(seq_buckets) if seq_buckets else _powers_of_two(
+            min(min_requests, max_num_seqs), max_num_seqs)
+        if requests[-1] < max_num_seqs:
+            requests.append(max_num_seqs)
+        tokens = _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+        return cls(tuple(tokens), tuple(requests))
+
+    def tokens_for(self, num_tokens: int) -> int:
+        """Smallest token bucket >= num_tokens."""
+        return self._pick(self.token_buckets, num_tokens, "num_tokens")
+
+    def requests_for(self, num_requests: int) -> int:
+        """Smallest request bucket >= num_requests."""
+        return self._pick(self.request_buckets, num_requests, "num_requests")
+
+    @staticmethod
+    def _pick(buckets: tuple[int, ...], n: int, what: str) -> int:
+        i = bisect.bisect_left(buckets, n)
+        if i == len(buckets):
+            raise ValueError(f"{what}={n} exceeds the largest bucket {buckets[-1]}")
+        return buckets[i]
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, requests) bucket pair a step can land in.
+
+        A step of R requests has at least R tokens, so request bucket r pairs
+        with token bucket t when some R in (previous request bucket, r] fits in t.
+        """
+        previous = (0, *self.request_buckets[:-1])
+        return [(t, r) for t in self.token_buckets
+                for r, lower in zip(self.request_buckets, previous, strict=True) if lower < t]

@@ -1,0 +1,79 @@
+"""Prompt logprobs: the log-probability of each prompt token given its prefix.
+
+Computed from the step's final hidden states for the rows of requests that
+asked, in the same step as their prefill chunk. The first prompt token has no
+prefix, so its entry is None. Positions already reported (before a
+preemption, say) are not reported again.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from esurge.models.forward import ModelState
+from esurge.outputs import TokenLogprobs
+from esurge.runner.device_step import prompt_logprobs_step
+from esurge.runner.input_batch import InputBatch
+from esurge.runner.sampler import MAX_LOGPROBS
+from esurge.runner.step_inputs import StepInputs
+
+__all__ = ["PromptLogprobsComputer"]
+
+
+class PromptLogprobsComputer:
+    """Tracks, per request, which prompt positions were reported."""
+
+    def __init__(self, model_state: ModelState) -> None:
+        self._model_state = model_state
+        self._next: dict[str, int] = {}  # next prompt position to report
+
+    def compute(self, ib: InputBatch, inputs: StepInputs,
+                hidden: jax.Array) -> dict[str, list[TokenLogprobs | None]]:
+        """hidden: [T, H] final hidden states of the step."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[str, int, int, bool]] = []  # req, first entry, count, lead None
+        starts = np.asarray(inputs.batch.query_start_loc)
+        for i, req_id in enumerate(inputs.req_ids):
+            row = int(inputs.rows[i])
+            wanted = ib.params[row].prompt_logprobs
+            num_prompt = int(ib.num_prompt[row])
+            if wanted is None or self._next.get(req_id, 0) >= num_prompt:
+                continue
+            first = int(inputs.seq_lens[i]) - int(starts[i + 1] - starts[i])
+            nxt = self._next.get(req_id, 0)
+            lead_none = first == 0 and nxt == 0
+            begin = max(first + 1, nxt, 1)  # prompt position whose logprob we report
+            end = min(int(inputs.seq_lens[i]), num_prompt - 1) + 1
+            count = max(0, end - begin)
+            for pos in range(begin, begin + count):
+                rows.append(int(starts[i]) + (pos - 1 - first))
+                targets.append(int(ib.token_ids[row, pos]))
+            spans.append((req_id, len(rows) - count, count, lead_none))
+            self._next[req_id] = max(nxt, begin + count)
+            if self._next[req_id] >= num_prompt:
+                del self._next[req_id]
+        if not spans:
+            return {}
+        return self._gather(ib, inputs, hidden, rows, targets, spans)
+
+    def _gather(self, ib: InputBatch, inputs: StepInputs, hidden: jax.Array, rows: list[int],
+                targets: list[int], spans: list[tuple[str, int, int, bool]]
+                ) -> dict[str, list[TokenLogprobs | None]]:
+        size = int(hidden.shape[0])
+        row_arr = np.zeros(size, np.int32)
+        tgt_arr = np.zeros(size, np.int32)
+        row_arr[:len(rows)] = rows
+        tgt_arr[:len(targets)] = targets
+        ids, lps, ranks = (np.asarray(a) for a in prompt_logprobs_step(
+            self._model_state, hidden, row_arr, tgt_arr, MAX_LOGPROBS))
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for req_id, first, count, lead_none in spans:
+            n = ib.params[ib.row_of[req_id]].prompt_logprobs or 0
+            entries: list[TokenLogprobs | None] = [None] if lead_none else []
+            for k in range(first, first + count):
+                entries.append(TokenLogprobs(tuple(ids[k, :1 + n].tolist()),
+                                             tuple(lps[k, :1 + n].tolist()), int(ranks[k])))
+            out[req_id] = entries
+        return out

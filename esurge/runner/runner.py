@@ -1,0 +1,204 @@
+"""eSurgeRunner: turns each SchedulerOutput into one jitted model step.
+
+The runner keeps the persistent batch on the host, builds each step's inputs
+with numpy (one transfer per step), pads them to precompiled (tokens,
+requests) buckets and runs the model and the sampler on the device. With
+async scheduling the next step is dispatched before the previous one's tokens
+reach the host: those inputs are read on the device from the previous
+sampler output.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from esurge.config import Config
+from esurge.core.kv_cache_spec import CacheGroupsConfig
+from esurge.models.kv_cache import KVCache, init_kv_cache
+from esurge.models.loader import LoadedModel
+from esurge.outputs import ModelRunnerOutput, TokenLogprobs
+from esurge.runner.buckets import StepBuckets
+from esurge.runner.device_step import model_step, pad_tokens
+from esurge.runner.input_batch import InputBatch
+from esurge.runner.prompt_logprobs import PromptLogprobsComputer
+from esurge.runner.sampler import SamplerOutput, SamplerVariant, sample_jit
+from esurge.runner.step_inputs import StepInputs, build_step_inputs
+from esurge.runner.warmup import warm_up
+from esurge.scheduler.output import SchedulerOutput
+
+__all__ = ["WarmupProgress", "eSurgeRunner"]
+
+log = logging.getLogger(__name__)
+
+WarmupProgress = Callable[[int, int, str], None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A dispatched step: its host inputs and its device results."""
+
+    inputs: StepInputs | None
+    sampled: SamplerOutput | None
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]]
+    tokens: np.ndarray | None = None  # host copy once collected
+
+
+def _available_host_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _available_device_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    return int(limit - used) if limit else _available_host_bytes()
+
+
+class eSurgeRunner:
+    """Runs scheduled steps of one loaded model over a paged KV cache."""
+
+    def __init__(self, model: LoadedModel, config: Config, *, memory_fraction: float = 0.25,
+                 min_token_bucket: int = 16) -> None:
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+        sched, cache = config.scheduler_config, config.cache_config
+        self.model = model
+        self.config = config
+        self.hf_config: Any = model.hf_config
+        self.max_model_len = sched.max_model_len
+        self.kv_dtype = model.dtype
+        self.page_size = cache.page_size
+        self.num_pages = cache.num_pages or self._pages_from_budget(memory_fraction)
+        self.cache_groups: CacheGroupsConfig = model.cache_groups(self.num_pages, self.page_size)
+        self.kv_cache: KVCache = init_kv_cache(self.cache_groups)
+        self.buckets = StepBuckets.create(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                          sched.max_num_seq_buckets, min_tokens=min_token_bucket)
+        self.max_rows = self.buckets.request_buckets[-1]
+        max_pages = math.ceil(self.max_model_len / self.page_size)
+        self.input_batch = InputBatch(self.max_rows, self.max_model_len,
+                                      len(self.cache_groups.groups), max_pages, model.vocab_size)
+        self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        self._prev_index: dict[str, int] = {}
+        self._prompt_logprobs = PromptLogprobsComputer(model.model_state)
+        self.compiled = False
+
+    def _pages_from_budget(self, fraction: float) -> int:
+        probe = self.model.cache_groups(1, self.page_size)
+        budget = int(_available_device_bytes() * fraction)
+        sched = self.config.scheduler_config
+        useful = sched.max_num_seqs * math.ceil(self.max_model_len / self.page_size) + 1
+        pages = max(2, min(budget // probe.bytes_per_page, useful))
+        log.info("KV cache: %d pages of %d tokens (%.1f MiB, %d tokens) from %.0f%% of %.1f GiB "
+                 "free memory", pages, self.page_size, pages * probe.bytes_per_page / 2**20,
+                 (pages - 1) * self.page_size, fraction * 100, budget / fraction / 2**30)
+        return int(pages)
+
+    def warmup(self, progress: WarmupProgress | None = None) -> float:
+        """Compile every bucket now; returns the seconds it took."""
+        seconds = warm_up(self, progress)
+        self.compiled = True
+        return seconds
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step synchronously."""
+        return self.collect(self.dispatch(scheduler_output))
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> _Pending:
+        """Apply the schedule to the persistent batch and start the step on the device."""
+        self._update_batch(scheduler_output)
+        if scheduler_output.is_empty():
+            return _Pending(None, None, {})
+        ib = self.input_batch
+        inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
+                                   self._prev_index)
+        variant = ib.sampling.variant(inputs.rows)
+        tensors = ib.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
+                                      inputs.sample_positions, variant)
+        logits, hidden, self.kv_cache = model_step(
+            self.model.model_state, self.kv_cache, inputs.batch, self._prev_tokens,
+            inputs.prev_index)
+        sampled = sample_jit(logits, tensors, variant)
+        self._prev_tokens = pad_tokens(sampled.token_ids, self.max_rows)
+        self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
+        plp = self._prompt_logprobs.compute(ib, inputs, hidden)
+        return _Pending(inputs, sampled, plp)
+
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        gone = so.finished_req_ids | so.preempted_req_ids
+        gone.update(new.req_id for new in so.scheduled_new_reqs if new.req_id in ib.row_of)
+        ib.remove(gone)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            row = ib.row_of[req_id]
+            pages = cached.new_page_ids[i]
+            if pages is not None:
+                ib.append_pages(row, pages)
+            ib.num_computed[row] = cached.num_computed_tokens[i]
+            if cached.new_token_ids[i]:
+                ib.record_tokens(row, int(ib.num_known[row]), list(cached.new_token_ids[i]))
+        for new in so.scheduled_new_reqs:
+            ib.add(new)
+
+    def collect(self, pending: _Pending) -> ModelRunnerOutput:
+        """Wait for a dispatched step; record and return its sampled tokens."""
+        inputs, sampled = pending.inputs, pending.sampled
+        if inputs is None or sampled is None:
+            return ModelRunnerOutput.empty()
+        tokens = np.asarray(sampled.token_ids)
+        ib = self.input_batch
+        sampled_ids: list[list[int]] = []
+        for i, req_id in enumerate(inputs.req_ids):
+            if not inputs.samples[i]:
+                sampled_ids.append([])
+                continue
+            token = int(tokens[i])
+            sampled_ids.append([token])
+            row = ib.row_of.get(req_id)
+            if row is not None:  # gone when preempted by the next, already dispatched, step
+                ib.record_tokens(row, int(inputs.seq_lens[i]), [token])
+                ib.sampling.observe(row, [token])
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
+            sampled_token_ids=sampled_ids,
+            logprobs=self._logprobs(inputs, sampled),
+            prompt_logprobs=pending.prompt_logprobs,
+        )
+
+    def _logprobs(self, inputs: StepInputs,
+                  sampled: SamplerOutput) -> list[list[TokenLogprobs] | None] | None:
+        if sampled.logprobs is None or sampled.logprob_token_ids is None or sampled.ranks is None:
+            return None
+        ids, lps = np.asarray(sampled.logprob_token_ids), np.asarray(sampled.logprobs)
+        ranks = np.asarray(sampled.ranks)
+        wanted = self.input_batch.sampling.num_logprobs
+        out: list[list[TokenLogprobs] | None] = []
+        for i in range(len(inputs.req_ids)):
+            n = int(wanted[inputs.rows[i]]) if i < len(inputs.rows) else -1
+            if n < 0 or not inputs.samples[i]:
+                out.append(None)
+                continue
+            out.append([TokenLogprobs(tuple(ids[i, :1 + n].tolist()),
+                                      tuple(lps[i, :1 + n].tolist()), int(ranks[i]))])
+        return out
+
+    def sampler_variants(self) -> list[SamplerVariant]:
+        """Every sampler variant a batch can need (compiled at warm-up)."""
+        return [SamplerVariant(greedy, dense, logprobs) for greedy in (True, False)
+                for dense in (False, True) for logprobs in (False, True)]
+
+    def timed_dummy_step(self) -> float:
+        """Seconds of one all-padding step at the smallest bucket (for diagnostics)."""
+        start = time.perf_counter()
+        warm_up(self, None, shapes=[self.buckets.shapes()[0]], variants=[])
+        return time.perf_counter() - start

@@ -1,0 +1,457 @@
+"""Pure conversions between the `esurge.v1` protos and the engine's types.
+
+Inbound (client -> engine) conversions validate: a bad value raises
+`InvalidFieldError` whose violations name the proto field path, e.g.
+`request.sampling_params.top_p` when called with `field_prefix="request"`.
+Outbound (engine -> client) conversions trust the engine's objects.
+
+Where proto3 cannot tell "unset" from "empty", the mapping is fixed here and
+documented per function: an empty repeated field or map is the engine's None
+(allowed_token_ids, logit_bias, new_logprobs, finished_requests,
+max_num_seq_buckets) and an empty string is None (request_id, cache_salt).
+Logprobs travel as 32-bit floats, so they come back rounded to float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from esurge.config import CacheConfig, Config, SchedulerConfig, SchedulingPolicy, SpeculativeConfig
+from esurge.engine_types import (
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+)
+from esurge.outputs import TokenLogprobs
+from esurge.sampling_params import SamplingParams
+from generated.esurge.v1 import config_pb2, engine_pb2, sampling_pb2
+from service.errors import (
+    FieldViolation,
+    InvalidFieldError,
+    join_field_path,
+    violation_from_value_error,
+)
+
+__all__ = [
+    "SAMPLING_FIELDS", "GenerationRequest", "config_from_proto", "config_to_proto",
+    "engine_core_output_from_proto", "engine_core_output_to_proto",
+    "engine_core_outputs_from_proto", "engine_core_outputs_to_proto", "engine_request_from_proto",
+    "engine_request_to_proto", "event_from_proto", "event_to_proto", "finish_reason_from_proto",
+    "finish_reason_to_proto", "prompt_logprobs_from_proto", "prompt_logprobs_to_proto",
+    "sampling_params_from_proto", "sampling_params_to_proto", "set_stop_reason",
+    "stop_reason_from_proto", "token_logprobs_from_proto", "token_logprobs_to_proto",
+]
+
+# Engine SamplingParams fields a client sets; the proto fields carry the same names.
+SAMPLING_FIELDS: frozenset[str] = frozenset(
+    f.name for f in fields(SamplingParams) if f.name != "bad_words_token_ids"
+)
+
+# Optional proto fields passed to SamplingParams only when present, so that an
+# unset field takes the engine's own default (one source of truth).
+_OPTIONAL_SAMPLING_FIELDS = (
+    "n", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
+    "logprobs", "prompt_logprobs", "skip_special_tokens",
+)
+# Plain proto3 fields whose zero value is the engine default.
+_PLAIN_SAMPLING_FIELDS = (
+    "min_p", "presence_penalty", "frequency_penalty", "min_tokens",
+    "ignore_eos", "include_stop_str_in_output",
+)
+_SEQUENCE_SAMPLING_FIELDS = ("stop", "stop_token_ids", "bad_words")
+
+_FINISH_TO_PROTO: dict[FinishReason, engine_pb2.FinishReason] = {
+    FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+_EVENT_TO_PROTO: dict[EngineCoreEventType, engine_pb2.EngineCoreEventType] = {
+    EngineCoreEventType.QUEUED: engine_pb2.ENGINE_CORE_EVENT_TYPE_QUEUED,
+    EngineCoreEventType.SCHEDULED: engine_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED,
+    EngineCoreEventType.PREEMPTED: engine_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED,
+}
+_EVENT_FROM_PROTO: dict[int, EngineCoreEventType] = {v: k for k, v in _EVENT_TO_PROTO.items()}
+
+_POLICY_TO_PROTO: dict[SchedulingPolicy, config_pb2.SchedulingPolicy] = {
+    SchedulingPolicy.FCFS: config_pb2.SCHEDULING_POLICY_FCFS,
+    SchedulingPolicy.PRIORITY: config_pb2.SCHEDULING_POLICY_PRIORITY,
+}
+_POLICY_FROM_PROTO: dict[int, Literal["priority", "fcfs"]] = {
+    config_pb2.SCHEDULING_POLICY_FCFS: "fcfs",
+    config_pb2.SCHEDULING_POLICY_PRIORITY: "priority",
+}
+
+
+# ----------------------------------------------------------------- sampling
+
+
+def sampling_params_from_proto(
+    msg: sampling_pb2.SamplingParams, *, field_prefix: str = "sampling_params"
+) -> SamplingParams:
+    """Validated engine SamplingParams from the proto, honouring field presence.
+
+    Unset optional fields take the engine defaults (temperature 1.0, top_p 1.0,
+    max_tokens 16, ...); `max_tokens_unbounded` gives max_tokens None. A bad
+    value raises InvalidFieldError naming `field_prefix.<field>`.
+    """
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _PLAIN_SAMPLING_FIELDS}
+    kwargs.update((name, getattr(msg, name)) for name in _OPTIONAL_SAMPLING_FIELDS
+                  if msg.HasField(name))
+    kwargs.update((name, tuple(getattr(msg, name))) for name in _SEQUENCE_SAMPLING_FIELDS)
+    kwargs["allowed_token_ids"] = tuple(msg.allowed_token_ids) or None
+    kwargs["logit_bias"] = dict(sorted(msg.logit_bias.items())) or None
+    if msg.HasField("max_tokens"):
+        if msg.max_tokens_unbounded:
+            raise InvalidFieldError([FieldViolation(
+                join_field_path(field_prefix, "max_tokens_unbounded"),
+                f"max_tokens_unbounded must be false when max_tokens is set "
+                f"(max_tokens={msg.max_tokens})",
+            )])
+        kwargs["max_tokens"] = msg.max_tokens
+    elif msg.max_tokens_unbounded:
+        kwargs["max_tokens"] = None
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as err:
+        violation = violation_from_value_error(err, parent=field_prefix,
+                                               known_fields=SAMPLING_FIELDS)
+        raise InvalidFieldError([violation]) from err
+
+
+def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
+    """The proto form of engine SamplingParams; every engine default is written out."""
+    msg = sampling_pb2.SamplingParams(
+        n=params.n, temperature=params.temperature, top_p=params.top_p,
+        repetition_penalty=params.repetition_penalty,
+        skip_special_tokens=params.skip_special_tokens,
+        stop=params.stop, stop_token_ids=params.stop_token_ids, bad_words=params.bad_words,
+        allowed_token_ids=params.allowed_token_ids or (),
+        logit_bias=params.logit_bias or {},
+        max_tokens_unbounded=params.max_tokens is None,
+    )
+    for name in _PLAIN_SAMPLING_FIELDS:
+        setattr(msg, name, getattr(params, name))
+    for name in ("top_k", "seed", "logprobs", "prompt_logprobs", "max_tokens"):
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+# ------------------------------------------------------------------ request
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A client request, validated and in engine terms.
+
+    Exactly one of prompt_token_ids / prompt_text is set. request_id None
+    means the client left the id to the server; cache_salt None means no salt.
+    """
+
+    request_id: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    prompt_text: str | None
+    sampling_params: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    return_text: bool = True
+    return_prompt_token_ids: bool = False
+    return_events: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.prompt_token_ids is None) == (self.prompt_text is None):
+            raise ValueError(
+                "exactly one of prompt_token_ids and prompt_text must be set, got "
+                f"prompt_token_ids={self.prompt_token_ids!r}, prompt_text={self.prompt_text!r}"
+            )
+        if self.request_id == "":
+            raise ValueError("request_id must be None or a non-empty string, got ''")
+        if self.cache_salt == "":
+            raise ValueError("cache_salt must be None or a non-empty string, got ''")
+
+
+def _prompt_from_proto(
+    msg: engine_pb2.EngineRequest, prefix: str
+) -> tuple[tuple[int, ...] | None, str | None, FieldViolation | None]:
+    kind = msg.WhichOneof("prompt")
+    if kind == "prompt_token_ids":
+        ids = tuple(msg.prompt_token_ids.token_ids)
+        if ids:
+            return ids, None, None
+        return None, None, FieldViolation(join_field_path(prefix, "prompt_token_ids"),
+                                          "prompt_token_ids must not be empty")
+    if kind == "prompt_text":
+        if msg.prompt_text:
+            return None, msg.prompt_text, None
+        return None, None, FieldViolation(join_field_path(prefix, "prompt_text"),
+                                          "prompt_text must not be empty")
+    return None, None, FieldViolation(join_field_path(prefix, "prompt"),
+                                      "one of prompt_token_ids or prompt_text must be set")
+
+
+def engine_request_from_proto(
+    msg: engine_pb2.EngineRequest, *, field_prefix: str = ""
+) -> GenerationRequest:
+    """Validate a proto EngineRequest and turn it into a GenerationRequest.
+
+    `field_prefix` is the path of `msg` inside the RPC's request message
+    ("request" for Generate); violations are reported below it, every
+    violation found at once. Token ids are checked against the vocabulary
+    later, by the engine (`SamplingParams.validate_for_vocab`).
+    """
+    violations: list[FieldViolation] = []
+    token_ids, text, prompt_problem = _prompt_from_proto(msg, field_prefix)
+    if prompt_problem is not None:
+        violations.append(prompt_problem)
+    params: SamplingParams | None = None
+    try:
+        params = sampling_params_from_proto(
+            msg.sampling_params, field_prefix=join_field_path(field_prefix, "sampling_params"))
+    except InvalidFieldError as err:
+        violations.extend(err.violations)
+    if violations or params is None:
+        raise InvalidFieldError(violations)
+    options = msg.output_options
+    return GenerationRequest(
+        request_id=msg.request_id or None,
+        prompt_token_ids=token_ids,
+        prompt_text=text,
+        sampling_params=params,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt or None,
+        return_text=options.return_text if options.HasField("return_text") else True,
+        return_prompt_token_ids=options.return_prompt_token_ids,
+        return_events=options.return_events,
+    )
+
+
+def engine_request_to_proto(request: GenerationRequest) -> engine_pb2.EngineRequest:
+    """The proto form of a GenerationRequest (what a client sends)."""
+    msg = engine_pb2.EngineRequest(
+        request_id=request.request_id or "",
+        sampling_params=sampling_params_to_proto(request.sampling_params),
+        priority=request.priority,
+        cache_salt=request.cache_salt or "",
+        output_options=engine_pb2.OutputOptions(
+            return_text=request.return_text,
+            return_prompt_token_ids=request.return_prompt_token_ids,
+            return_events=request.return_events,
+        ),
+    )
+    if request.prompt_token_ids is not None:
+        msg.prompt_token_ids.token_ids.extend(request.prompt_token_ids)
+    elif request.prompt_text is not None:
+        msg.prompt_text = request.prompt_text
+    return msg
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> engine_pb2.FinishReason:
+    """The proto finish reason; None (still running) is FINISH_REASON_UNSPECIFIED."""
+    return engine_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """The engine finish reason; FINISH_REASON_UNSPECIFIED is None (not finished)."""
+    if value == engine_pb2.FINISH_REASON_UNSPECIFIED:
+        return None
+    if value not in _FINISH_FROM_PROTO:
+        raise ValueError(f"finish_reason {value!r} is not a known FinishReason value")
+    return _FINISH_FROM_PROTO[value]
+
+
+def set_stop_reason(msg: Any, stop_reason: int | str | None) -> None:
+    """Fill the `stop_reason` oneof of `msg` (EngineCoreOutput, GenerateResponse or
+    Completion): an int is a stop token id, a str a stop string, None neither."""
+    if isinstance(stop_reason, bool):
+        raise ValueError(f"stop_reason must be an int, a str or None, got {stop_reason!r}")
+    if isinstance(stop_reason, int):
+        if stop_reason < 0:
+            raise ValueError(f"stop_reason token id must be >= 0, got {stop_reason}")
+        msg.stop_token_id = stop_reason
+    elif isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif stop_reason is not None:
+        raise ValueError(f"stop_reason must be an int, a str or None, got {stop_reason!r}")
+
+
+def stop_reason_from_proto(msg: Any) -> int | str | None:
+    """The engine stop reason held in the `stop_reason` oneof of `msg`."""
+    kind = msg.WhichOneof("stop_reason")
+    if kind == "stop_token_id":
+        return int(msg.stop_token_id)
+    if kind == "stop_string":
+        return str(msg.stop_string)
+    return None
+
+
+def event_to_proto(event: EngineCoreEvent) -> engine_pb2.EngineCoreEvent:
+    """The proto form of one lifecycle event."""
+    return engine_pb2.EngineCoreEvent(type=_EVENT_TO_PROTO[event.type], timestamp=event.timestamp)
+
+
+def event_from_proto(msg: engine_pb2.EngineCoreEvent) -> EngineCoreEvent:
+    """The engine form of one lifecycle event."""
+    if msg.type not in _EVENT_FROM_PROTO:
+        raise ValueError(f"event type {msg.type!r} is not a known EngineCoreEventType value")
+    return EngineCoreEvent(_EVENT_FROM_PROTO[msg.type], msg.timestamp)
+
+
+def token_logprobs_to_proto(logprobs: TokenLogprobs) -> engine_pb2.TokenLogprobs:
+    """The proto form of one position's logprobs (values become float32)."""
+    return engine_pb2.TokenLogprobs(
+        token_ids=logprobs.token_ids, logprobs=logprobs.logprobs, rank=logprobs.rank
+    )
+
+
+def token_logprobs_from_proto(msg: engine_pb2.TokenLogprobs) -> TokenLogprobs:
+    """The engine form of one position's logprobs."""
+    return TokenLogprobs(tuple(msg.token_ids), tuple(msg.logprobs), msg.rank)
+
+
+def prompt_logprobs_to_proto(
+    entries: list[TokenLogprobs | None],
+) -> list[engine_pb2.PositionLogprobs]:
+    """Per-position prompt logprobs; a None position becomes an empty entry."""
+    return [
+        engine_pb2.PositionLogprobs() if entry is None
+        else engine_pb2.PositionLogprobs(logprobs=token_logprobs_to_proto(entry))
+        for entry in entries
+    ]
+
+
+def prompt_logprobs_from_proto(
+    entries: Any,
+) -> list[TokenLogprobs | None]:
+    """Engine prompt logprobs from repeated PositionLogprobs."""
+    return [
+        token_logprobs_from_proto(e.logprobs) if e.HasField("logprobs") else None
+        for e in entries
+    ]
+
+
+def engine_core_output_to_proto(output: EngineCoreOutput) -> engine_pb2.EngineCoreOutput:
+    """The proto form of one request's step output."""
+    msg = engine_pb2.EngineCoreOutput(
+        request_id=output.request_id,
+        new_token_ids=output.new_token_ids,
+        new_logprobs=[token_logprobs_to_proto(lp) for lp in output.new_logprobs or ()],
+        new_prompt_logprobs=prompt_logprobs_to_proto(output.new_prompt_logprobs or []),
+        finish_reason=finish_reason_to_proto(output.finish_reason),
+        num_cached_tokens=output.num_cached_tokens,
+        events=[event_to_proto(e) for e in output.events or ()],
+        num_draft_tokens=output.num_draft_tokens,
+        num_accepted_tokens=output.num_accepted_tokens,
+    )
+    set_stop_reason(msg, output.stop_reason)
+    return msg
+
+
+def engine_core_output_from_proto(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
+    """The engine form of one request's step output; empty lists become None."""
+    return EngineCoreOutput(
+        request_id=msg.request_id,
+        new_token_ids=list(msg.new_token_ids),
+        new_logprobs=[token_logprobs_from_proto(lp) for lp in msg.new_logprobs] or None,
+        new_prompt_logprobs=prompt_logprobs_from_proto(msg.new_prompt_logprobs) or None,
+        finish_reason=finish_reason_from_proto(msg.finish_reason),
+        stop_reason=stop_reason_from_proto(msg),
+        num_cached_tokens=msg.num_cached_tokens,
+        events=[event_from_proto(e) for e in msg.events] or None,
+        num_draft_tokens=msg.num_draft_tokens,
+        num_accepted_tokens=msg.num_accepted_tokens,
+    )
+
+
+def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> engine_pb2.EngineCoreOutputs:
+    """The proto form of one step's outputs for one client; finished ids sorted."""
+    return engine_pb2.EngineCoreOutputs(
+        engine_index=outputs.engine_index,
+        outputs=[engine_core_output_to_proto(o) for o in outputs.outputs],
+        timestamp=outputs.timestamp,
+        finished_requests=sorted(outputs.finished_requests or ()),
+    )
+
+
+def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
+    """The engine form of one step's outputs; no finished ids becomes None."""
+    return EngineCoreOutputs(
+        engine_index=msg.engine_index,
+        outputs=[engine_core_output_from_proto(o) for o in msg.outputs],
+        timestamp=msg.timestamp,
+        finished_requests=set(msg.finished_requests) or None,
+    )
+
+
+# ------------------------------------------------------------------- config
+
+
+def config_to_proto(config: Config) -> config_pb2.EngineConfig:
+    """The proto form of the engine Config, every field filled in."""
+    sched, cache, spec = config.scheduler_config, config.cache_config, config.speculative_config
+    msg = config_pb2.EngineConfig(
+        scheduler_config=config_pb2.SchedulerConfig(
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=sched.max_model_len,
+            policy=_POLICY_TO_PROTO[sched.scheduling_policy],
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
+            chunked_prefill_enabled=sched.chunked_prefill_enabled,
+            token_safety_margin=sched.token_safety_margin,
+            max_num_seq_buckets=sched.max_num_seq_buckets or (),
+            async_scheduling=sched.async_scheduling,
+        ),
+        cache_config=config_pb2.CacheConfig(
+            num_pages=cache.num_pages, page_size=cache.page_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+        ),
+    )
+    if spec is not None:
+        msg.speculative_config.CopyFrom(config_pb2.SpeculativeConfig(
+            num_speculative_tokens=spec.num_speculative_tokens,
+            speculative_model=spec.speculative_model,
+        ))
+    return msg
+
+
+def config_from_proto(msg: config_pb2.EngineConfig) -> Config:
+    """The engine Config from its proto form (validated by the Config classes)."""
+    sched, cache = msg.scheduler_config, msg.cache_config
+    if sched.policy not in _POLICY_FROM_PROTO:
+        raise ValueError(f"scheduler_config.policy {sched.policy!r} is not fcfs or priority")
+    spec: SpeculativeConfig | None = None
+    if msg.HasField("speculative_config"):
+        spec_msg = msg.speculative_config
+        spec = SpeculativeConfig(
+            num_speculative_tokens=spec_msg.num_speculative_tokens,
+            speculative_model=(spec_msg.speculative_model
+                               if spec_msg.HasField("speculative_model") else None),
+        )
+    return Config(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=sched.max_model_len,
+            policy=_POLICY_FROM_PROTO[sched.policy],
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
+            chunked_prefill_enabled=sched.chunked_prefill_enabled,
+            token_safety_margin=(sched.token_safety_margin
+                                 if sched.HasField("token_safety_margin") else None),
+            max_num_seq_buckets=tuple(sched.max_num_seq_buckets) or None,
+            async_scheduling=sched.async_scheduling,
+        ),
+        cache_config=CacheConfig(
+            num_pages=cache.num_pages if cache.HasField("num_pages") else None,
+            page_size=cache.page_size,
+            enable_prefix_caching=cache.enable_prefix_caching,
+        ),
+        speculative_config=spec,
+    )

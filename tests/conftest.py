@@ -1,0 +1,43 @@
+"""Session fixtures shared by every test area."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 512-token byte-level BPE tokenizer trained here on standard-library source."""
+    from tools.tokenizer_training import stdlib_texts, train_bpe_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    train_bpe_tokenizer(stdlib_texts(max_files=40), vocab_size=512, out_dir=out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A random 2-layer Llama (hidden 64, GQA 4/2, vocab 512) with the tiny tokenizer.
+
+    Token ids: 0 <pad>, 1 <s> (bos), 2 </s> (eos).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )
+    out = tmp_path_factory.mktemp("tiny_llama")
+    LlamaForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer_dir / name, out / name)
+    return out

@@ -1,0 +1,1 @@
+"""Project tools: code generation, tokenizer and model training (not installed)."""
