@@ -47,6 +47,16 @@ def _load_tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_file(str(file)) if file.is_file() else None
 
 
+def _prompt_list(prompts: Sequence[Prompt] | Prompt) -> list[Prompt]:
+    """A single prompt (text or token ids) or a list of them, as a list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
+    return items  # type: ignore[return-value]
+
+
 def _print_progress(done: int, total: int, what: str) -> None:
     width = 30
     filled = width * done // total
@@ -126,9 +136,7 @@ class eSurge:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, priorities: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+        plist = _prompt_list(prompts)
         params = (list(sampling_params) if isinstance(sampling_params, Sequence)
                   else [sampling_params] * len(plist))
         if len(params) != len(plist):

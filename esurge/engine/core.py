@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from esurge.engine_types import EngineCoreOutputs
 from esurge.outputs import ModelRunnerOutput
@@ -21,11 +21,11 @@ from esurge.scheduler.output import SchedulerOutput
 __all__ = ["EngineCore", "ModelExecutor", "PendingStep"]
 
 
-class PendingStep(Protocol):
-    """A step dispatched to the device whose results are not read yet."""
+# A step dispatched to the device whose results are not read yet.
+PendingStep = TypeVar("PendingStep")
 
 
-class ModelExecutor(Protocol):
+class ModelExecutor(Protocol[PendingStep]):
     """What the core needs from a model runner."""
 
     def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
@@ -37,10 +37,10 @@ class ModelExecutor(Protocol):
         ...
 
 
-class EngineCore:
+class EngineCore(Generic[PendingStep]):
     """Drives a scheduler and a model executor, one forward pass per step."""
 
-    def __init__(self, scheduler: SchedulerInterface, executor: ModelExecutor,
+    def __init__(self, scheduler: SchedulerInterface, executor: ModelExecutor[PendingStep],
                  async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -73,12 +73,11 @@ class EngineCore:
     def _step_pipelined(self) -> dict[int, EngineCoreOutputs]:
         fresh: SchedulerOutput | None = None
         if self.scheduler.has_requests() and len(self._in_flight) < 2:
+            # Even an empty schedule is dispatched: it carries the ids of
+            # finished requests the runner must drop.
             scheduler_output = self.scheduler.schedule()
-            # An empty schedule still carries finished ids, so it is only
-            # skipped when a real step is in flight to carry them later.
-            if not scheduler_output.is_empty() or not self._in_flight:
-                self._in_flight.append((scheduler_output, self.executor.dispatch(scheduler_output)))
-                fresh = scheduler_output
+            self._in_flight.append((scheduler_output, self.executor.dispatch(scheduler_output)))
+            fresh = scheduler_output
         if not self._in_flight:
             return {}
         if len(self._in_flight) == 1 and fresh is not None and not fresh.is_empty():

@@ -1,0 +1,126 @@
+"""The one decoder-only causal LM that every supported family runs on.
+
+`CausalLM` mirrors the HF module tree (`model.embed_tokens`, `model.layers.N`,
+`model.norm`, `lm_head`) so checkpoint keys are module paths. Its forward
+runs the flattened batch through every layer, each layer reading and writing
+its own slot of the paged cache through its group's page table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from esurge.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
+from esurge.models.batch import ForwardBatch
+from esurge.models.decoder_config import AttentionKind, DecoderConfig, LayerAttention, RopeConfig
+from esurge.models.kv_cache import KVCache
+from esurge.models.layers import DecoderLayer, Embedding, Linear, embedding_scale, make_norm
+from esurge.models.paged_attention import AttentionMetadata
+from esurge.models.rope import rope_cos_sin
+
+__all__ = ["CausalLM", "DecoderModel"]
+
+
+def _spec_matches(layer: LayerAttention, spec: FullAttentionSpec) -> bool:
+    if isinstance(spec, SlidingWindowSpec):
+        return layer.kind is AttentionKind.SLIDING and layer.window == spec.sliding_window
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return layer.kind is AttentionKind.CHUNKED and layer.window == spec.attention_chunk_size
+    return layer.kind is AttentionKind.FULL
+
+
+def check_cache_layout(config: DecoderConfig, kv_cache: KVCache, batch: ForwardBatch) -> None:
+    """ValueError when the cache or batch was built for another model or grouping."""
+    if len(kv_cache.layer_slots) != config.num_layers:
+        raise ValueError(
+            f"kv cache covers {len(kv_cache.layer_slots)} layers, the model has {config.num_layers}"
+        )
+    for i, (layer, spec) in enumerate(zip(config.layers, kv_cache.layer_specs, strict=True)):
+        if not _spec_matches(layer, spec):
+            raise ValueError(f"layer {i} is {layer.kind.value} (window {layer.window}) but its "
+                             f"cache group spec is {spec!r}")
+        if (spec.num_kv_heads, spec.head_dim) != (config.num_kv_heads, config.head_dim):
+            raise ValueError(
+                f"layer {i} cache holds {spec.num_kv_heads} kv heads of {spec.head_dim}, the model "
+                f"has {config.num_kv_heads} of {config.head_dim}"
+            )
+    groups = kv_cache.num_groups
+    if batch.slot_mapping.shape[0] != groups or batch.page_tables.shape[0] != groups:
+        raise ValueError(
+            f"batch has slot_mapping for {batch.slot_mapping.shape[0]} and page_tables for "
+            f"{batch.page_tables.shape[0]} cache groups, the cache has {groups}"
+        )
+
+
+class DecoderModel(nnx.Module):
+    """Embedding, decoder layers and final norm (the HF `model.` subtree)."""
+
+    def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype):
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(config, layer, dtype=dtype) for layer in config.layers])
+        self.norm = make_norm(config.hidden_size, config, dtype)
+
+
+class CausalLM(nnx.Module):
+    """A decoder-only causal LM over a paged KV cache."""
+
+    def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.model = DecoderModel(config, dtype=dtype)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
+
+    def __call__(
+        self,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+        aux_hidden_layer_ids: tuple[int, ...],
+        block_pages: int | None,
+    ) -> tuple[jax.Array, jax.Array | None, KVCache]:
+        """(final normed hidden [T, H], outputs of the aux layers [A, T, H] or None, new cache)."""
+        config = self.config
+        check_cache_layout(config, kv_cache, batch)
+        positions, token_req = jnp.asarray(batch.positions), jnp.asarray(batch.token_req)
+        x = self.model.embed_tokens(jnp.asarray(batch.input_ids))
+        scale = embedding_scale(config, self.dtype)
+        if scale is not None:
+            x = x * scale
+        token_seq_lens = jnp.asarray(batch.seq_lens)[token_req]
+        tables: dict[RopeConfig, tuple[jax.Array, jax.Array]] = {}
+        page_tables, num_tokens = jnp.asarray(batch.page_tables), jnp.asarray(batch.num_tokens)
+        slot_mapping = jnp.asarray(batch.slot_mapping)
+        metadata = [AttentionMetadata(positions, token_req, page_tables[g], num_tokens)
+                    for g in range(kv_cache.num_groups)]
+        aux: dict[int, jax.Array] = {}
+        for i, layer in enumerate(self.model.layers):
+            rope = config.layers[i].rope
+            if rope not in tables:
+                tables[rope] = rope_cos_sin(rope, config.head_dim, positions, token_seq_lens)
+            group, slot = kv_cache.layer_slots[i]
+            x, (k, v) = layer(x, tables[rope], (kv_cache.keys[slot], kv_cache.values[slot]),
+                              metadata[group], slot_mapping[group], block_pages)
+            kv_cache = kv_cache.replace_slot(slot, k, v)
+            if i in aux_hidden_layer_ids:
+                aux[i] = x
+        hidden = self.model.norm(x)
+        stacked = jnp.stack([aux[i] for i in aux_hidden_layer_ids]) if aux else None
+        return hidden, stacked, kv_cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [L, H] -> [L, vocab] float32
+        """LM head (tied to the embedding when configured) and final soft-capping."""
+        if self.lm_head is None:
+            logits = jnp.einsum("lh,vh->lv", hidden, self.model.embed_tokens.weight[...])
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = jnp.tanh(logits / cap) * cap
+        return logits.astype(jnp.float32)

@@ -1,0 +1,179 @@
+"""The Flax nnx building blocks of the shared decoder.
+
+Parameter names and layouts mirror the Hugging Face checkpoints (a linear
+weight is [out_features, in_features]), so a module path such as
+`model.layers.0.self_attn.q_proj.weight` is also the safetensors key and
+loading needs no renaming or transposing. Parameters are created as zeros:
+real values always come from a checkpoint, and the loader builds the module
+abstractly (`nnx.eval_shape`) so they are never materialized.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
+from esurge.models.paged_attention import AttentionMetadata, paged_attention, write_kv
+from esurge.models.rope import apply_rope
+
+__all__ = [
+    "MLP", "Attention", "DecoderLayer", "Embedding", "Linear", "RMSNorm", "embedding_scale",
+    "make_norm",
+]
+
+
+class Linear(nnx.Module):
+    """y = x W^T + b with W stored [out_features, in_features] as in PyTorch."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((vocab_size, hidden_size), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:  # [T] -> [T, hidden]
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis.
+
+    Llama style scales the normalized input (cast back to the input dtype) by
+    the weight; Gemma style (offset) scales by 1 + weight in float32 and casts
+    at the end. Both as transformers computes them.
+    """
+
+    def __init__(self, dim: int, *, eps: float, offset: bool, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+        self.offset = offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., dim]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        weight = self.weight[...]
+        if self.offset:
+            return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        return weight * normed.astype(x.dtype)
+
+
+def make_norm(dim: int, config: DecoderConfig, dtype: jnp.dtype) -> RMSNorm:
+    """An RMSNorm in the model's style."""
+    return RMSNorm(dim, eps=config.rms_norm_eps, offset=config.norm_offset, dtype=dtype)
+
+
+def _activate(kind: Activation, x: jax.Array) -> jax.Array:
+    if kind is Activation.SILU:
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=kind is Activation.GELU_TANH)
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype):
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype)
+        self.up_proj = Linear(h, i, bias=bias, dtype=dtype)
+        self.down_proj = Linear(i, h, bias=bias, dtype=dtype)
+        self.activation = config.activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden]
+        return self.down_proj(_activate(self.activation, self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+    """Self-attention of one layer over the paged cache (GQA, optional q/k norm)."""
+
+    def __init__(self, config: DecoderConfig, layer: LayerAttention, *, dtype: jnp.dtype):
+        h, d = config.hidden_size, config.head_dim
+        self.q_proj = Linear(h, config.num_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.k_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.v_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, dtype=dtype)
+        self.q_norm = make_norm(d, config, dtype) if config.qk_norm else None
+        self.k_norm = make_norm(d, config, dtype) if config.qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.scale = float(config.query_scale or d ** -0.5)
+        self.softcap = config.attn_softcap
+        self.sliding_window = layer.window if layer.kind is AttentionKind.SLIDING else None
+        self.chunk_size = layer.window if layer.kind is AttentionKind.CHUNKED else None
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, hidden]
+        rope: tuple[jax.Array, jax.Array],  # cos, sin: [T, head_dim]
+        kv: tuple[jax.Array, jax.Array],  # K, V: [num_pages, page_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        slot_mapping: jax.Array,  # [T]
+        block_pages: int | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # [T, hidden], updated (K, V)
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, slot_mapping)
+        out = paged_attention(
+            q, k_cache, v_cache, metadata, scale=self.scale, sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size, softcap=self.softcap, block_pages=block_pages,
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP blocks; Gemma adds norms after each block."""
+
+    def __init__(self, config: DecoderConfig, layer: LayerAttention, *, dtype: jnp.dtype):
+        h = config.hidden_size
+        self.input_layernorm = make_norm(h, config, dtype)
+        self.self_attn = Attention(config, layer, dtype=dtype)
+        # Llama: the pre-MLP norm. Gemma: the norm of the attention output.
+        self.post_attention_layernorm = make_norm(h, config, dtype)
+        self.mlp = MLP(config, dtype=dtype)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = make_norm(h, config, dtype)
+            self.post_feedforward_layernorm = make_norm(h, config, dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, hidden]
+        rope: tuple[jax.Array, jax.Array],
+        kv: tuple[jax.Array, jax.Array],
+        metadata: AttentionMetadata,
+        slot_mapping: jax.Array,  # [T]
+        block_pages: int | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        attn, kv = self.self_attn(self.input_layernorm(x), rope, kv, metadata, slot_mapping,
+                                  block_pages)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x)), kv
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp), kv
+
+
+def embedding_scale(config: DecoderConfig, dtype: jnp.dtype) -> jax.Array | None:
+    """sqrt(hidden) rounded to the weight dtype as transformers' Gemma does, or None."""
+    if not config.scale_embeddings:
+        return None
+    return jnp.asarray(math.sqrt(config.hidden_size), jnp.float32).astype(dtype)

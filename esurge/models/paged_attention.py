@@ -1,0 +1,199 @@
+"""Paged attention over a flattened token batch, in pure JAX.
+
+One call serves every row kind at once (prefill chunks, single-token decodes,
+k-token speculative verification): each token knows its request and position,
+reads its request's pages through the request's page table, and is masked by
+position (causal, sliding window, chunked local). Keys and values are written
+into the cache before attention, so a token sees the keys of its own step.
+
+The formulation is memory-bounded: an online-softmax loop walks the page
+table in blocks of `block_pages` pages; per step each token gathers only that
+block of its request's keys and values ([T, block_pages * page_size, ...]).
+By default the block shrinks for large token buckets so one gathered block
+stays under `GATHER_BUDGET_BYTES`.
+The loop covers just the blocks any real token can see (up to the furthest
+position, from the earliest window start), so short contexts and sliding
+windows cost less. `paged_attention(q, k_cache, v_cache, metadata, ...)` is the
+boundary a Pallas kernel can later take over.
+
+Masked scores use a large finite negative and masked probabilities are
+zeroed explicitly, so a token that sees nothing (padding) yields zeros, never
+NaN, and nothing it writes can poison the null page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "GATHER_BUDGET_BYTES", "MAX_BLOCK_PAGES", "AttentionMetadata", "block_pages_for",
+    "paged_attention", "write_kv",
+]
+
+MAX_BLOCK_PAGES = 8
+GATHER_BUDGET_BYTES = 64 * 1024 * 1024
+_MASKED = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """What one cache group's attention needs to know about the step.
+
+    positions: each token's position in its sequence.
+    token_req: each token's request row.
+    page_tables: this group's page ids per request, logical page j holding
+        positions [j * page_size, (j + 1) * page_size).
+    num_tokens: real tokens; the rest of the T rows are padding.
+    """
+
+    positions: jax.Array  # [T] int32
+    token_req: jax.Array  # [T] int32
+    page_tables: jax.Array  # [R, P] int32
+    num_tokens: jax.Array  # [] int32
+
+
+def write_kv(
+    k_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
+    k: jax.Array,  # [T, kv_heads, head_dim]
+    v: jax.Array,  # [T, kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [T] int32: page_id * page_size + offset
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter each token's key and value into its slot."""
+    shape = k_cache.shape
+    flat = (shape[0] * shape[1], *shape[2:])
+    k_new = k_cache.reshape(flat).at[slot_mapping].set(k.astype(k_cache.dtype))
+    v_new = v_cache.reshape(flat).at[slot_mapping].set(v.astype(v_cache.dtype))
+    return k_new.reshape(shape), v_new.reshape(shape)
+
+
+def _first_visible(
+    positions: jax.Array,  # [T]
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> jax.Array:  # [T]
+    first = jnp.zeros_like(positions)
+    if sliding_window is not None:
+        first = jnp.maximum(first, positions - sliding_window + 1)
+    if chunk_size is not None:
+        first = jnp.maximum(first, (positions // chunk_size) * chunk_size)
+    return first
+
+
+def _visible(
+    key_pos: jax.Array,  # [B]
+    positions: jax.Array,  # [T]
+    sliding_window: int | None,
+    chunk_size: int | None,
+) -> jax.Array:  # [T, B] bool
+    q = positions[:, None]
+    k = key_pos[None, :]
+    mask = k <= q
+    if sliding_window is not None:
+        mask &= k > q - sliding_window
+    if chunk_size is not None:
+        mask &= (k // chunk_size) == (q // chunk_size)
+    return mask
+
+
+def _block_range(
+    metadata: AttentionMetadata, block_tokens: int, num_blocks: int,
+    sliding_window: int | None, chunk_size: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """[start, end) of the page blocks any real token can see."""
+    pos = metadata.positions
+    real = jnp.arange(pos.shape[0]) < metadata.num_tokens
+    end = jnp.max(jnp.where(real, pos, 0)) // block_tokens + 1
+    first = _first_visible(pos, sliding_window, chunk_size)
+    start = jnp.min(jnp.where(real, first, num_blocks * block_tokens)) // block_tokens
+    end = jnp.minimum(end, num_blocks)
+    return jnp.minimum(start, end), end
+
+
+def _online_softmax_step(
+    carry: tuple[jax.Array, ...],  # running max, denominator [T, kv, g]; output sum [T, kv, g, D]
+    qg: jax.Array,  # [T, kv_heads, group, head_dim]
+    k: jax.Array,  # [T, B, kv_heads, head_dim]
+    v: jax.Array,  # [T, B, kv_heads, head_dim]
+    mask: jax.Array,  # [T, B] bool
+    scale: float,
+    softcap: float | None,
+) -> tuple[jax.Array, ...]:
+    """Fold one block of keys into the running softmax statistics."""
+    m, denom, acc = carry
+    s = jnp.einsum("tkgd,tbkd->tkgb", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    visible = mask[:, None, None]
+    s = jnp.where(visible, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+    pv = jnp.einsum("tkgb,tbkd->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
+
+
+def block_pages_for(num_tokens: int, k_cache_shape: tuple[int, ...], itemsize: int) -> int:
+    """Pages per block: up to MAX_BLOCK_PAGES, fewer when one block of K for all tokens
+    would exceed GATHER_BUDGET_BYTES."""
+    _, page_size, kv_heads, head_dim = k_cache_shape
+    per_page = num_tokens * page_size * kv_heads * head_dim * itemsize
+    return max(1, min(MAX_BLOCK_PAGES, GATHER_BUDGET_BYTES // max(per_page, 1)))
+
+
+def paged_attention(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    block_pages: int | None = None,
+) -> jax.Array:  # [T, num_heads, head_dim]
+    """Causal attention of each token over its request's paged keys and values.
+
+    block_pages: pages per online-softmax step; None picks block_pages_for.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if block_pages is None:
+        block_pages = block_pages_for(num_tokens, k_cache.shape, k_cache.dtype.itemsize)
+    if block_pages < 1:
+        raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+    group = num_heads // kv_heads
+    max_pages = metadata.page_tables.shape[1]
+    block_pages = min(block_pages, max_pages)
+    num_blocks = -(-max_pages // block_pages)
+    tables = jnp.pad(metadata.page_tables, ((0, 0), (0, num_blocks * block_pages - max_pages)))
+    block_tokens = block_pages * page_size
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
+
+    def step(block: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        pages = lax.dynamic_slice_in_dim(tables, block * block_pages, block_pages, axis=1)
+        token_pages = pages[metadata.token_req]  # [T, block_pages]
+        k = k_cache[token_pages].reshape(num_tokens, block_tokens, kv_heads, head_dim)
+        v = v_cache[token_pages].reshape(num_tokens, block_tokens, kv_heads, head_dim)
+        key_pos = block * block_tokens + jnp.arange(block_tokens)
+        mask = _visible(key_pos, metadata.positions, sliding_window, chunk_size)
+        return _online_softmax_step(carry, qg, k, v, mask, scale, softcap)
+
+    stats_shape = (num_tokens, kv_heads, group)
+    init = (
+        jnp.full(stats_shape, _MASKED, jnp.float32),
+        jnp.zeros(stats_shape, jnp.float32),
+        jnp.zeros((*stats_shape, head_dim), jnp.float32),
+    )
+    start, end = _block_range(metadata, block_tokens, num_blocks, sliding_window, chunk_size)
+    _, denom, acc = lax.fori_loop(start, end, step, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,67 @@
+"""The scheduler contract the engine core drives, independent of any policy."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+from esurge.engine_types import EngineCoreOutputs
+from esurge.outputs import ModelRunnerOutput
+from esurge.request import EngineRequest, EngineRequestStatus
+from esurge.scheduler.output import SchedulerOutput
+
+__all__ = ["SchedulerInterface"]
+
+
+class SchedulerInterface(ABC):
+    """What an engine core needs from a scheduler: one step is
+    `schedule()` -> runner -> `update_from_output()`."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Decide which requests run in the next forward pass and how many tokens each."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Apply a step's sampled tokens; return the new outputs keyed by client index."""
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a new request."""
+
+    @abstractmethod
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: EngineRequestStatus
+    ) -> None:
+        """End requests from outside (abort, stop string) and free their pages."""
+
+    @abstractmethod
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return self.get_num_unfinished_requests() > 0
+
+    @abstractmethod
+    def get_request_counts(self) -> tuple[int, int]:
+        """(running, waiting) request counts."""
+
+    @abstractmethod
+    def has_finished_requests(self) -> bool:
+        """True when requests finished since the last schedule() must still be
+        reported to the runner."""
+
+    def has_requests(self) -> bool:
+        """True when there is work or finished ids left to hand to the runner."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False when pages are still in use."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release resources held by the scheduler."""

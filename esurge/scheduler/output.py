@@ -1,0 +1,109 @@
+"""What one `Scheduler.schedule()` call hands to the model runner.
+
+New requests (and requests resumed after preemption) come in full as
+`NewRequestData`; requests the runner already holds come as one columnar
+`CachedRequestData` diff. Page ids are given per cache group, in group order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from esurge.request import EngineRequest
+from esurge.sampling_params import SamplingParams
+
+__all__ = ["CachedRequestData", "NewRequestData", "SchedulerOutput"]
+
+PageIds = tuple[tuple[int, ...], ...]  # one tuple of page ids per cache group
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """Everything the runner needs to start (or restart) a request.
+
+    num_computed_tokens is the number of leading tokens whose KV is already in
+    the cache (prefix-cache hits); this step's tokens start there. A request
+    resumed after preemption is sent again as NewRequestData (its old state on
+    the runner was dropped with the preemption), so output_token_ids holds the
+    tokens generated before it was preempted; it is empty for a fresh request.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    page_ids: PageIds
+    num_computed_tokens: int
+    eos_token_id: int | None
+    output_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_request(cls, request: EngineRequest, page_ids: PageIds) -> NewRequestData:
+        """Snapshot a request as scheduled now (before this step's tokens count)."""
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            page_ids=page_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            eos_token_id=request.eos_token_id,
+            output_token_ids=tuple(request.output_token_ids),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """Diffs for requests the runner already holds, one column entry per request.
+
+    resumed_from_preemption is always False here because resumed requests are
+    sent as NewRequestData; the column stays so the runner contract does not
+    change if that choice does. new_token_ids carries tokens the runner cannot
+    know by itself; the runner keeps the tokens it sampled, so these are empty.
+    new_page_ids[i] is None when the request got no new page this step.
+    num_computed_tokens[i] is where this step's tokens start.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[tuple[int, ...]] = field(default_factory=list)
+    new_page_ids: list[PageIds | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        """Number of requests described."""
+        return len(self.req_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step's schedule.
+
+    num_scheduled_tokens maps every scheduled request to its token count this
+    step (prompt chunk, decode token, plus speculative tokens to verify).
+    scheduled_spec_decode_tokens maps a request to the draft tokens the runner
+    must verify in this step. finished_req_ids are requests that ended since
+    the previous step (the runner drops their state); preempted_req_ids are
+    requests evicted in this step (likewise dropped; they come back later as
+    NewRequestData). num_seq_bucket is the request count the runner pads to:
+    the smallest max_num_seq_buckets entry >= the number of scheduled requests,
+    or without buckets the smallest power of two >= it, capped at max_num_seqs
+    (the smallest bucket for an empty step).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    num_seq_bucket: int
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        """Requests that run in this step."""
+        return len(self.num_scheduled_tokens)
+
+    def is_empty(self) -> bool:
+        """True when the step runs no token."""
+        return self.total_num_scheduled_tokens == 0
