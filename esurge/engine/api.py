@@ -8,6 +8,7 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -40,6 +41,21 @@ def default_config(model: LoadedModel, max_num_seqs: int = 32) -> Config:
             max_model_len=max_len, chunked_prefill_enabled=True),
         cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
     )
+
+
+def _effective_config(config: Config) -> Config:
+    """The config the runner and scheduler run with.
+
+    Speculative steps run synchronously: the next step's drafts and token
+    count depend on how many drafts this step accepted. async_scheduling=True
+    is honoured as far as it can be: such an engine produces the same tokens,
+    one step at a time.
+    """
+    sched = config.scheduler_config
+    if config.num_speculative_tokens and sched.async_scheduling:
+        log.info("speculative decoding runs steps synchronously; async_scheduling is ignored")
+        return replace(config, scheduler_config=replace(sched, async_scheduling=False))
+    return config
 
 
 def _load_tokenizer(path: Path) -> Tokenizer | None:
@@ -84,7 +100,8 @@ class eSurge:
         self.config = config if config is not None else default_config(self.model)
         self._check_config(self.config)
         self.tokenizer = _load_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_path)
-        self.runner = eSurgeRunner(self.model, self.config, memory_fraction=memory_fraction,
+        self.runner = eSurgeRunner(self.model, _effective_config(self.config),
+                                   memory_fraction=memory_fraction,
                                    min_token_bucket=min_token_bucket)
         self.scheduler = Scheduler.from_runner(
             self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
@@ -93,7 +110,8 @@ class eSurge:
         sched = self.config.scheduler_config
         self.inputs = InputProcessor(self.tokenizer, self.model.vocab_size,
                                      self.model.eos_token_ids, sched.max_model_len)
-        core = EngineCore(self.scheduler, self.runner, async_scheduling=sched.async_scheduling)
+        core = EngineCore(self.scheduler, self.runner,
+                          async_scheduling=self.runner.config.scheduler_config.async_scheduling)
         self._loop = EngineLoop(core, OutputProcessor(self.tokenizer))
         self._loop.start()
         self._ids = itertools.count()
@@ -105,9 +123,11 @@ class eSurge:
         if limit is not None and max_len > int(limit):
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's "
                              f"max_position_embeddings ({limit})")
-        if config.speculative_config is not None and config.speculative_config.use_eagle():
-            raise ValueError("speculative_config: Eagle speculative decoding is not available "
-                             "in this build yet; leave speculative_model unset")
+        spec = config.speculative_config
+        if spec is not None and spec.use_eagle() and spec.speculative_model is not None:
+            if not Path(spec.speculative_model).is_dir():
+                raise ValueError(f"speculative_model {spec.speculative_model!r} is not a "
+                                 "directory")
 
     @property
     def loop(self) -> EngineLoop:

@@ -44,7 +44,9 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     shapes = runner.buckets.shapes() if shapes is None else shapes
     variants = runner.sampler_variants() if variants is None else variants
     request_buckets = sorted({r for _, r in shapes})
-    total = len(shapes) + len(request_buckets) * len(variants) + len(runner.buckets.token_buckets)
+    token_buckets = {t for t, _ in shapes}
+    total = (len(shapes) + len(request_buckets) * len(variants)
+             + (len(token_buckets) if variants else 0))
     done = 0
 
     def tick(what: str) -> None:
@@ -55,29 +57,32 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
         log.debug("warm-up %d/%d %s", done, total, what)
 
     prev_index = {t: np.full(t, -1, np.int32) for t, _ in shapes}
+    # The model step's own outputs feed the sampler and prompt-logprob
+    # warm-ups: inputs of another origin (numpy, device_put) can carry other
+    # placement metadata and would fill different cache entries.
+    logits_of: dict[int, jax.Array] = {}
+    hidden_of: dict[int, jax.Array] = {}
     for tokens, requests in shapes:
         batch = _padding_batch(runner, tokens, requests)
         logits, hidden, runner.kv_cache = model_step(
             runner.model.model_state, runner.kv_cache, batch, runner._prev_tokens,
             prev_index[tokens])
         jax.block_until_ready(logits)
+        logits_of[requests], hidden_of[tokens] = logits, hidden
         tick(f"model step tokens={tokens} requests={requests}")
     for requests in request_buckets:
         sampling = runner.input_batch.sampling
         rows = np.zeros(0, np.int64)
         for variant in variants:
             tensors = sampling.tensors(rows, requests, np.zeros(0, np.int32), variant)
-            logits = np.zeros((requests, runner.model.vocab_size), np.float32)
-            out = sample_jit(logits, tensors, variant)
+            out = sample_jit(logits_of[requests], tensors, variant)
             jax.block_until_ready(pad_tokens(out.token_ids, runner.max_rows))
             tick(f"sampler requests={requests} {variant}")
     if variants:
-        hidden_size = runner.model.config.hidden_size
-        for tokens in runner.buckets.token_buckets:
-            hidden = np.zeros((tokens, hidden_size), runner.model.dtype)
+        for tokens in sorted(hidden_of):
             idx = np.zeros(tokens, np.int32)
             jax.block_until_ready(prompt_logprobs_step(
-                runner.model.model_state, hidden, idx, idx, MAX_LOGPROBS))
+                runner.model.model_state, hidden_of[tokens], idx, idx, MAX_LOGPROBS))
             tick(f"prompt logprobs tokens={tokens}")
     seconds = time.perf_counter() - start
     log.info("warm-up compiled %d programs in %.1fs", total, seconds)

@@ -26,11 +26,11 @@ def engine_config(*, chunked: bool = True, prefix: bool = True, async_: bool = F
     )
 
 
-def mixed_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
-    """n prompts of 3..60 tokens (ids 3..511, so no special tokens)."""
+def mixed_prompts(n: int = 16, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """n prompts of 3..60 tokens (ids from 3, so no special tokens)."""
     rng = np.random.default_rng(seed)
     lengths = np.linspace(3, 60, n).astype(int)
-    return [rng.integers(3, 512, size=int(k)).tolist() for k in lengths]
+    return [rng.integers(3, vocab, size=int(k)).tolist() for k in lengths]
 
 
 @pytest.fixture(scope="session")

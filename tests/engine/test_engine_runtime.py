@@ -1,0 +1,52 @@
+"""Runtime guarantees: no compile after warm-up, a memory-sized cache, clean shutdown."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from esurge import SamplingParams, eSurge
+from esurge.runner.device_step import model_step, pad_tokens, prompt_logprobs_step
+from esurge.runner.sampler import sample_jit
+from tests.engine.conftest import engine_config, mixed_prompts
+
+
+def _compiled() -> tuple[int, ...]:
+    return tuple(f._cache_size() for f in (model_step, sample_jit, pad_tokens,
+                                           prompt_logprobs_step))
+
+
+def test_no_compile_after_warmup(engine: eSurge) -> None:
+    before = _compiled()
+    engine.generate(mixed_prompts(), [
+        SamplingParams(temperature=0, max_tokens=12),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=12),
+        SamplingParams(temperature=0, logprobs=2, max_tokens=12),
+        SamplingParams(temperature=1.0, frequency_penalty=0.5, logit_bias={5: 1.0},
+                       max_tokens=12, prompt_logprobs=1),
+    ] * 4)
+    assert _compiled() == before
+
+
+def test_cache_sized_from_memory_budget(tiny_llama_dir: Path) -> None:
+    config = engine_config()
+    config = dataclasses.replace(
+        config, cache_config=dataclasses.replace(config.cache_config, num_pages=None))
+    with eSurge(tiny_llama_dir, config, show_progress=False, warmup=False) as llm:
+        pages = llm.runner.num_pages
+        out = llm.generate([mixed_prompts()[0]], SamplingParams(temperature=0, max_tokens=4))
+    # 16 requests x 12 pages of 8 tokens (96-token limit) + the null page is all
+    # that could ever be used; this model's pages are tiny, so the budget covers it.
+    assert pages == 16 * 12 + 1
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_shutdown_fails_pending_requests(tiny_llama_dir: Path) -> None:
+    llm = eSurge(tiny_llama_dir, engine_config(), show_progress=False)
+    llm.shutdown()
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    except RuntimeError as err:
+        assert "not running" in str(err)
+    else:
+        raise AssertionError("generate after shutdown must fail")
