@@ -19,6 +19,7 @@ from esurge.core.kv_cache_spec import (
     FullAttentionSpec,
     SlidingWindowSpec,
 )
+from esurge.core.page_budget import computed_reaching, peak_pages
 from esurge.core.page_hash import ExtraKey, PageHash, hash_pages
 from esurge.core.page_pool import NULL_PAGE, PagePool
 from esurge.core.prefix_lookup import hit_pages, longest_hit
@@ -46,16 +47,6 @@ class _RequestState:
 
 def _is_windowed(spec: FullAttentionSpec) -> bool:
     return isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec)
-
-
-def _computed_reaching(spec: FullAttentionSpec, token: int) -> int:
-    """Least num_computed whose first_needed_token is >= token (token >= 1)."""
-    if isinstance(spec, SlidingWindowSpec):
-        return token + spec.sliding_window - 1
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        chunk = spec.attention_chunk_size
-        return -(-token // chunk) * chunk
-    raise ValueError(f"{type(spec).__name__} never gives pages back")
 
 
 class KVCacheManager:
@@ -137,24 +128,7 @@ class KVCacheManager:
         Windowed groups need only the window plus one step's tokens when the
         prompt is fed max_tokens_per_step at a time; None means all at once.
         """
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
-        step = num_tokens if max_tokens_per_step is None else max_tokens_per_step
-        if step < 1 and num_tokens > 0:
-            raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step!r}")
-        whole = -(-num_tokens // self._ps)
-        total = 0
-        for spec in self._specs:
-            if isinstance(spec, SlidingWindowSpec):
-                reach = spec.sliding_window
-            elif isinstance(spec, ChunkedLocalAttentionSpec):
-                reach = spec.attention_chunk_size
-            else:
-                total += whole
-                continue
-            # A step reaches back at most reach - 1 tokens before its first token.
-            total += min(whole, -(-(reach + step - 2) // self._ps) + 1)
-        return total
+        return peak_pages(self._specs, num_tokens, max_tokens_per_step)
 
     def can_ever_fit(self, num_tokens: int, max_tokens_per_step: int | None = None) -> bool:
         """Would a request of num_tokens tokens fit into an empty pool."""
@@ -273,7 +247,7 @@ class KVCacheManager:
         soonest = self._max_model_len + 1
         for g in self._windowed:
             target = (state.nulled[g] + 1) * self._ps  # first token after that entry
-            soonest = min(soonest, _computed_reaching(self._specs[g], target))
+            soonest = min(soonest, computed_reaching(self._specs[g], target))
         return soonest
 
     def _allocate_slow(self, request: EngineRequest, state: _RequestState | None,

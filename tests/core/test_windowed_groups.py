@@ -2,7 +2,7 @@ import math
 from types import SimpleNamespace
 
 from esurge.core import KVCacheManager, KVCachePages, cache_groups_from_hf_config
-from esurge.core.kv_cache_manager import _computed_reaching
+from esurge.core.page_budget import computed_reaching
 from tests.core.helpers import (
     chunked,
     decode_step,
@@ -156,5 +156,26 @@ def test_release_points_match_first_needed_token():
     # The manager skips window bookkeeping until num_computed reaches this point.
     for spec in (sliding(4, 1), sliding(4, 5), sliding(4, 9), chunked(4, 4), chunked(4, 8)):
         for token in range(1, 40):
-            at = _computed_reaching(spec, token)
+            at = computed_reaching(spec, token)
             assert spec.first_needed_token(at) >= token > spec.first_needed_token(at - 1)
+
+
+def test_a_shared_page_leaving_the_window_does_not_count_as_room():
+    kv = manager(6, sliding(4, 5))
+    a = request("a", list(range(9)))
+    prefill(kv, a, sampled=100)
+    b = request("b", [*range(9), 9])
+    assert prefill(kv, b) == 8  # shares a's page 2 (tokens 4..7)
+    assert kv.get_pages("b") == KVCachePages(((0, 2, 4),))
+    for token in (101, 102, 103):
+        decode_step(kv, a, token)  # the first step gives back a's page 1
+    prefill(kv, request("c", list(range(50, 58))))  # takes the last free pages 5 and 1
+    assert kv.num_free_pages == 0
+    # The query at 12 no longer reads page 2, but b still holds it: no room for page 3.
+    before = (kv.pool.free_page_ids(), kv.get_pages("a"), kv.pool.ref_count(2))
+    assert kv.allocate_slots(a, 1) is None
+    assert (kv.pool.free_page_ids(), kv.get_pages("a"), kv.pool.ref_count(2)) == before
+    kv.free(b)
+    assert kv.allocate_slots(a, 1) == KVCachePages(((4,),))
+    assert kv.get_pages("a") == KVCachePages(((0, 0, 3, 4),))
+    assert kv.pool.free_page_ids() == [2]

@@ -1,0 +1,58 @@
+"""Page arithmetic of attention specs: how many pages a request holds at most,
+and when a windowed group can give its next page back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from esurge.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["computed_reaching", "peak_pages"]
+
+
+def _reach(spec: FullAttentionSpec) -> int | None:
+    """Positions a query reads, itself included (None: the whole sequence)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return spec.sliding_window
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return spec.attention_chunk_size
+    return None
+
+
+def peak_pages(specs: Sequence[FullAttentionSpec], num_tokens: int,
+               max_tokens_per_step: int | None = None) -> int:
+    """Most pages, over all groups, a request of num_tokens tokens holds at once.
+
+    A windowed group holds its reach plus one step's tokens; None for
+    max_tokens_per_step means the whole request in one step.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens!r}")
+    step = num_tokens if max_tokens_per_step is None else max_tokens_per_step
+    if step < 1 and num_tokens > 0:
+        raise ValueError(f"max_tokens_per_step must be >= 1, got {max_tokens_per_step!r}")
+    total = 0
+    for spec in specs:
+        whole = -(-num_tokens // spec.page_size)
+        reach = _reach(spec)
+        if reach is None:
+            total += whole
+        else:
+            # A step's tokens plus the reach - 1 positions before its first one,
+            # spread over at most one page more than they fill.
+            total += min(whole, -(-(reach + step - 2) // spec.page_size) + 1)
+    return total
+
+
+def computed_reaching(spec: FullAttentionSpec, token: int) -> int:
+    """Least num_computed whose first_needed_token is >= token (token >= 1)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return token + spec.sliding_window - 1
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        chunk = spec.attention_chunk_size
+        return -(-token // chunk) * chunk
+    raise ValueError(f"{type(spec).__name__} reads the whole sequence: it never gives pages back")
