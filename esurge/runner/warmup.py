@@ -12,8 +12,15 @@ import numpy as np
 
 from esurge.models.batch import ForwardBatch
 from esurge.models.kv_cache import NULL_PAGE
-from esurge.runner.device_step import model_step, pad_tokens, prompt_logprobs_step
+from esurge.runner.device_step import (
+    model_step,
+    model_step_features,
+    pad_tokens,
+    prompt_logprobs_step,
+)
 from esurge.runner.sampler import MAX_LOGPROBS, SamplerVariant, sample_jit
+from esurge.runner.spec_sampler import verify_jit
+from esurge.runner.step_inputs import StepInputs
 
 if TYPE_CHECKING:
     from esurge.runner.runner import eSurgeRunner
@@ -23,17 +30,68 @@ __all__ = ["warm_up"]
 log = logging.getLogger(__name__)
 
 
-def _padding_batch(runner: eSurgeRunner, tokens: int, requests: int) -> ForwardBatch:
+def _padding_batch(runner: eSurgeRunner, tokens: int, requests: int,
+                   num_spec: int = 0) -> ForwardBatch:
     groups = len(runner.cache_groups.groups)
     max_pages = runner.input_batch.page_tables.shape[2]
-    zeros = np.zeros(tokens, np.int32)
     return ForwardBatch(
-        input_ids=zeros, positions=zeros, token_req=zeros,
+        input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
+        token_req=np.zeros(tokens, np.int32),
         slot_mapping=np.full((groups, tokens), NULL_PAGE * runner.page_size, np.int32),
         page_tables=np.full((groups, requests, max_pages), NULL_PAGE, np.int32),
         query_start_loc=np.zeros(requests + 1, np.int32),
-        seq_lens=np.zeros(requests, np.int32), logits_indices=np.zeros(requests, np.int32),
+        seq_lens=np.zeros(requests, np.int32),
+        logits_indices=np.zeros(requests * (1 + num_spec), np.int32),
     )
+
+
+def _padding_inputs(runner: eSurgeRunner, tokens: int, requests: int) -> StepInputs:
+    """A step of no real request in the (tokens, requests) bucket."""
+    none = np.zeros(0, np.int64)
+    return StepInputs(
+        batch=_padding_batch(runner, tokens, requests, runner.num_spec), req_ids=[], rows=none,
+        samples=np.zeros(0, bool), sample_positions=np.zeros(0, np.int32),
+        seq_lens=np.zeros(0, np.int32), prev_index=np.full(tokens, -1, np.int32), num_tokens=0,
+        num_reqs_bucket=requests, num_drafts=np.zeros(0, np.int32), num_spec=runner.num_spec)
+
+
+def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
+               variants: list[SamplerVariant], tick: Callable[[str], None]
+               ) -> dict[int, jax.Array]:
+    """Speculative steps: target forward, verification and both proposer variants.
+
+    Returns a final-hidden array per token bucket for the prompt-logprob warm-up.
+    """
+    spec = runner.spec
+    if spec is None:
+        return {}
+    sampling = runner.input_batch.sampling
+    logits_of: dict[int, jax.Array] = {}
+    hidden_of: dict[int, jax.Array] = {}
+    state = runner.model.model_state
+    for tokens, requests in shapes:
+        inputs = _padding_inputs(runner, tokens, requests)
+        for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
+            tensors = sampling.tensors(inputs.rows, requests, inputs.sample_positions, variant)
+            hidden, runner.kv_cache, step = spec.run(state, runner.kv_cache, runner.input_batch,
+                                                     inputs, tensors, variant)
+            jax.block_until_ready(step.drafts)
+        # Device outputs of the same program, as the verify step gets them at run time.
+        logits, hidden_of[tokens], _, runner.kv_cache = model_step_features(
+            state, runner.kv_cache, inputs.batch, spec.feature_layers)
+        logits_of[requests] = logits
+        tick(f"speculative step tokens={tokens} requests={requests}")
+    k = runner.num_spec
+    for requests in sorted(logits_of):
+        for variant in variants:
+            tensors = sampling.tensors(np.zeros(0, np.int64), requests, np.zeros(0, np.int32),
+                                       variant)
+            out = verify_jit(logits_of[requests], tensors, np.zeros((requests, k), np.int32),
+                             np.zeros(requests, np.int32), spec.prob_buffer,
+                             np.zeros(requests, np.int32), variant, spec.draft_vocab)
+            jax.block_until_ready(out.token_ids)
+            tick(f"verify requests={requests} {variant}")
+    return hidden_of
 
 
 def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | None,
@@ -48,6 +106,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     total = (len(shapes) + len(request_buckets) * len(variants)
              + (len(token_buckets) if variants else 0))
     done = 0
+    hidden_of: dict[int, jax.Array] = {}
 
     def tick(what: str) -> None:
         nonlocal done
@@ -56,12 +115,15 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
             progress(done, total, what)
         log.debug("warm-up %d/%d %s", done, total, what)
 
+    if runner.spec is not None:
+        # Every step is speculative: the plain model step and sampler never run.
+        hidden_of = _warm_spec(runner, shapes, variants, tick)
+        shapes, request_buckets = [], []
     prev_index = {t: np.full(t, -1, np.int32) for t, _ in shapes}
     # The model step's own outputs feed the sampler and prompt-logprob
     # warm-ups: inputs of another origin (numpy, device_put) can carry other
     # placement metadata and would fill different cache entries.
     logits_of: dict[int, jax.Array] = {}
-    hidden_of: dict[int, jax.Array] = {}
     for tokens, requests in shapes:
         batch = _padding_batch(runner, tokens, requests)
         logits, hidden, runner.kv_cache = model_step(
