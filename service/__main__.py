@@ -1,14 +1,8 @@
-"""`python -m service`: the gRPC server entry point."""
+"""`python -m service`: the gRPC server (the same as `esurge-serve`)."""
 
 import sys
 
-
-def main() -> int:
-    """Refuse clearly until the server exists."""
-    print("esurge-serve: the gRPC server is not implemented yet (see README, Status)",
-          file=sys.stderr)
-    return 2
-
+from service.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,263 @@
+"""Serving overhead: N concurrent gRPC streaming clients against the in-process engine.
+
+Workload W1: 32 prompts of 64-128 tokens cut from the standard library's source
+with the model's tokenizer, 64 new tokens each, greedy, ignore_eos. The model
+is a random-initialised Llama (hidden 256, 4 layers, 4 heads, 2 KV heads,
+vocab 4096) with a 4096-token BPE tokenizer trained here; both are built in a
+temp dir. For each N in --clients, max(N, 32) requests (W1 repeated) are run
+
+- in process: N threads calling `eSurge.generate` one request at a time, and
+- over gRPC: N asyncio streaming clients (one channel each) against
+  `python -m service` running the same engine configuration in its own process,
+
+and the script prints time to first token and inter-token latency (p50/p99,
+gRPC side), generated tokens/s of both, and their ratio (goal: >= 0.9 at 64).
+Both engines share a JAX compilation cache, so the server warms up quickly.
+
+    .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 64, 128, 64
+ENGINE_FLAGS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--max-model-len",
+                "256", "--enable-chunked-prefill", "--num-pages", "1100", "--page-size", "16",
+                "--max-num-seq-buckets", "4,16,64", "--max-queued-requests", "1024"]
+
+
+def build_model(out: Path) -> Path:
+    """The random Llama and its freshly trained 4096-token tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tools.tokenizer_training import stdlib_texts, train_bpe_tokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    train_bpe_tokenizer(stdlib_texts(max_files=120), vocab_size=4096, out_dir=out)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0, tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def w1_prompts(model_dir: Path) -> list[list[int]]:
+    """32 token windows of 64-128 tokens from standard-library files not trained on."""
+    from tokenizers import Tokenizer
+
+    from tools.tokenizer_training import stdlib_texts
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    ids = [t for text in stdlib_texts(max_files=8, skip=150) for t in tokenizer.encode(text).ids]
+    prompts, at = [], 0
+    for i in range(PROMPTS):
+        length = MIN_LEN + (i * 37) % (MAX_LEN - MIN_LEN + 1)
+        prompts.append(ids[at:at + length])
+        at += length + 11
+    if any(len(p) < MIN_LEN for p in prompts):
+        raise ValueError("the standard library sample is too short for W1")
+    return prompts
+
+
+def engine_config() -> object:
+    """The Config the CLI builds from ENGINE_FLAGS (one source of truth)."""
+    from service.cli_args import build_config, build_parser
+
+    args = build_parser().parse_args(["--model", str(REPO), *ENGINE_FLAGS])
+    return build_config(args, 2048)
+
+
+@dataclass
+class Result:
+    tokens: int
+    seconds: float
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def in_process(engine: object, requests: list[list[int]], clients: int) -> Result:
+    """N threads, each running one request at a time through eSurge.generate."""
+    from esurge.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    work: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+    for prompt in requests:
+        work.put(prompt)
+    counts: list[int] = []
+
+    def worker() -> None:
+        while True:
+            try:
+                prompt = work.get_nowait()
+            except queue.Empty:
+                return
+            [out] = engine.generate([prompt], params)  # type: ignore[attr-defined]
+            counts.append(len(out.outputs[0].token_ids))
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return Result(sum(counts), time.perf_counter() - start)
+
+
+async def over_grpc(target: str, requests: list[list[int]], clients: int) -> Result:
+    """N streaming clients, one channel each, sharing the request list."""
+    from esurge.sampling_params import SamplingParams
+    from service.client import AsyncEngineClient
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    work: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in requests:
+        work.put_nowait(prompt)
+    result = Result(0, 0.0)
+
+    async def one(client: AsyncEngineClient, prompt: list[int]) -> None:
+        began = last = time.perf_counter()
+        async for message in client.generate(prompt, params, return_text=False):
+            if not message.token_ids:
+                continue
+            now = time.perf_counter()
+            if last == began:
+                result.ttft.append(now - began)
+            else:
+                result.itl.extend([(now - last) / len(message.token_ids)] * len(message.token_ids))
+            last = now
+            result.tokens += len(message.token_ids)
+
+    async def worker() -> None:
+        async with AsyncEngineClient(target, timeout=600) as client:
+            while not work.empty():
+                await one(client, work.get_nowait())
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def start_server(model_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """`python -m service` on a free port; returns once it reports SERVING."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "--model", str(model_dir), "--port", "0",
+         "--log-level", "info", *ENGINE_FLAGS], cwd=REPO, env=env, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    port = None
+    for line in proc.stderr:
+        found = re.search(r"listening on [^:]+:(\d+)", line)
+        port = int(found.group(1)) if found else port
+        if "(SERVING)" in line:
+            break
+    else:
+        raise RuntimeError(f"the server exited with status {proc.wait()}")
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep the pipe drained
+    return proc, f"127.0.0.1:{port}"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of values, in milliseconds."""
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def measure(engine: object, target: str, prompts: list[list[int]], counts: list[int],
+            repeats: int) -> tuple[dict[int, Result], dict[int, Result]]:
+    """Best of `repeats` runs per client count, local and gRPC runs interleaved so
+    that load from other processes on the machine hits both alike."""
+    in_process(engine, prompts[:4], 4)  # first-call effects out of the numbers
+    asyncio.run(over_grpc(target, prompts[:4], 4))
+    batch = in_process(engine, prompts, PROMPTS)
+    print(f"in-process eSurge.generate, 32 threads: {batch.tokens_per_s:.0f} tok/s", flush=True)
+    local: dict[int, Result] = {}
+    remote: dict[int, Result] = {}
+    for n in counts:
+        requests = [prompts[i % PROMPTS] for i in range(max(n, PROMPTS))]
+        for _ in range(repeats):
+            lo = in_process(engine, requests, n)
+            r = asyncio.run(over_grpc(target, requests, n))
+            if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
+                local[n] = lo
+            if n not in remote or r.tokens_per_s > remote[n].tokens_per_s:
+                remote[n] = r
+        print(f"  {n} clients: local {local[n].tokens_per_s:.0f}, gRPC "
+              f"{remote[n].tokens_per_s:.0f} tok/s", flush=True)
+    return local, remote
+
+
+def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result]) -> None:
+    """The results table."""
+    print(f"{'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'gRPC tok/s':>10} {'local tok/s':>11} {'ratio':>6}")
+    for n in counts:
+        r, lo = remote[n], local[n]
+        print(f"{n:>7} {percentile(r.ttft, .5):>7.1f}ms {percentile(r.ttft, .99):>7.1f}ms "
+              f"{percentile(r.itl, .5):>6.1f}ms {percentile(r.itl, .99):>6.1f}ms "
+              f"{r.tokens_per_s:>10.0f} {lo.tokens_per_s:>11.0f} "
+              f"{r.tokens_per_s / lo.tokens_per_s:>6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", default="1,16,64")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="build the model (and the JAX cache) here and keep them "
+                             "(default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per client count; the best is reported")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    work_dir = Path(tempfile.mkdtemp(prefix="grpc_load_"))
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
+           "JAX_COMPILATION_CACHE_DIR": str((args.keep or work_dir) / "jax_cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    os.environ.update(env)  # before JAX is imported: this process fills the cache
+    try:
+        model_dir = build_model(args.keep or work_dir / "model")
+        prompts = w1_prompts(model_dir)
+        from esurge.engine.api import eSurge
+
+        engine = eSurge(model_dir, engine_config(), show_progress=False)  # type: ignore[arg-type]
+        print(f"model ready, warm-up {engine.warmup_seconds:.1f}s; W1: {len(prompts)} prompts "
+              f"of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
+        proc, target = start_server(model_dir, env)
+        try:
+            local, remote = measure(engine, target, prompts, counts, args.repeats)
+        finally:
+            proc.terminate()
+            proc.wait(120)
+            engine.shutdown()
+        report(counts, local, remote)
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

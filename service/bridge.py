@@ -1,0 +1,197 @@
+"""From the engine's own thread to asyncio: per-request queues for the servicer.
+
+The engine (`esurge.engine.loop.EngineLoop`) calls each request's callback on
+its thread after every step that produced something for it. The bridge turns
+those calls into items on the asyncio queue ("sink") the request was
+submitted with, on the event loop's thread. Queues are unbounded on purpose:
+a slow client only grows its own queue; the engine thread never waits for a
+consumer, so one slow stream cannot stall the others.
+
+Crossing threads costs a wake-up of the event loop; the bridge posts at most
+one wake-up at a time (`call_soon_threadsafe`) and delivers everything that
+arrived meanwhile in one go, so a step that produced outputs for 64 requests
+costs one wake-up, not 64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from esurge.engine.inputs import Prompt
+from esurge.engine.loop import EngineDeadError
+from esurge.engine.request_output import RequestOutput
+from esurge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from esurge.engine.api import eSurge
+
+__all__ = ["Aborted", "BridgeItem", "EngineBridge", "Sink", "coalesce", "drain"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """The server ended the request before the engine finished it (Abort, cancel, close)."""
+
+    request_id: str
+
+
+# What a sink receives: an output snapshot, the engine's death, or an abort.
+BridgeItem = RequestOutput | EngineDeadError | Aborted
+T = TypeVar("T")
+
+
+class Sink(Protocol):
+    """A request's destination, an asyncio.Queue; several requests may share one
+    (EngineStream), and it may carry the stream's own items besides."""
+
+    def put_nowait(self, item: tuple[str, BridgeItem], /) -> None:
+        """Queue one (request id, item) pair without waiting."""
+
+
+def coalesce(items: list[tuple[str, T]]) -> list[tuple[str, T]]:
+    """Drop output snapshots that a later snapshot of the same request supersedes.
+
+    Snapshots are cumulative, so a reader behind the engine only needs each
+    request's latest one; every other item is kept, in order.
+    """
+    latest: dict[str, int] = {}
+    for position, (request_id, item) in enumerate(items):
+        if isinstance(item, RequestOutput):
+            latest[request_id] = position
+    return [(rid, item) for position, (rid, item) in enumerate(items)
+            if not isinstance(item, RequestOutput) or latest[rid] == position]
+
+
+async def drain(queue: asyncio.Queue[tuple[str, T]]) -> list[tuple[str, T]]:
+    """Wait for at least one item, then take everything queued, coalesced."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return coalesce(items)
+
+
+class EngineBridge:
+    """Submits requests to one engine and routes their outputs to asyncio queues.
+
+    Every method except the engine-thread callback runs on the event loop
+    that created the bridge.
+    """
+
+    def __init__(self, engine: eSurge, loop: asyncio.AbstractEventLoop,
+                 on_engine_dead: Callable[[EngineDeadError], None] | None = None) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._on_engine_dead = on_engine_dead
+        self._sinks: dict[str, Sink] = {}
+        # Filled by the engine thread, emptied by the loop thread. deque
+        # appends and pops are atomic, so no lock is needed.
+        self._arrived: collections.deque[tuple[str, RequestOutput | EngineDeadError]] = (
+            collections.deque())
+        self._wakeup_posted = False
+        self.num_submitting = 0
+        # Draft tokens proposed / accepted over the requests finished here.
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def is_live(self, request_id: str) -> bool:
+        """True while the request was submitted here and has not ended."""
+        return request_id in self._sinks
+
+    @property
+    def num_live(self) -> int:
+        """Requests submitted through this bridge that have not ended."""
+        return len(self._sinks)
+
+    async def submit(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     sink: Sink, *, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Validate and queue a request; its outputs will arrive on `sink`.
+
+        Raises the engine's ValueError (naming the bad field) for bad input or
+        a request id that is already in flight, and EngineDeadError when the
+        engine is not running. Returns once the scheduler accepted it.
+        """
+        if request_id in self._sinks:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        engine = self.engine
+        prepared = engine.inputs.prepare(request_id, prompt, params, priority, cache_salt)
+        eos = engine.inputs.eos_token_id
+        self._sinks[request_id] = sink
+        future = engine.loop.submit(
+            request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params,
+            lambda ids: prepared.engine_requests(ids, eos),
+            lambda item: self._from_engine(request_id, item))
+        self.num_submitting += 1
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The caller went away while the engine was accepting the request:
+            # nobody will read it, so it must not run.
+            self._sinks.pop(request_id, None)
+            engine.abort(request_id)
+            raise
+        except BaseException:
+            self._sinks.pop(request_id, None)
+            raise
+        finally:
+            self.num_submitting -= 1
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request; its pages are freed by the engine at once.
+
+        Its sink gets a final `Aborted` item. Returns False (and does nothing
+        else) when the request is not live here: idempotent.
+        """
+        sink = self._sinks.pop(request_id, None)
+        if sink is None:
+            return False
+        self.engine.abort(request_id)
+        sink.put_nowait((request_id, Aborted(request_id)))
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort every live request (server shutdown); returns their ids."""
+        ids = list(self._sinks)
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
+    # ---- engine thread -> loop thread -------------------------------------
+
+    def _from_engine(self, request_id: str, item: RequestOutput | EngineDeadError) -> None:
+        """Called on the engine thread: queue the item and wake the loop once."""
+        self._arrived.append((request_id, item))
+        if self._wakeup_posted:
+            return
+        self._wakeup_posted = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            self._wakeup_posted = False
+
+    def _deliver(self) -> None:
+        # Cleared before draining: anything appended after this point posts a
+        # new wake-up, so no item can be left behind.
+        self._wakeup_posted = False
+        dead: EngineDeadError | None = None
+        while self._arrived:
+            request_id, item = self._arrived.popleft()
+            sink = self._sinks.get(request_id)
+            if sink is None:
+                continue  # aborted here already; its stream has ended
+            if isinstance(item, EngineDeadError):
+                dead = item
+                del self._sinks[request_id]
+            elif item.finished:
+                del self._sinks[request_id]
+                self.num_draft_tokens += sum(c.num_draft_tokens for c in item.outputs)
+                self.num_accepted_tokens += sum(c.num_accepted_tokens for c in item.outputs)
+            sink.put_nowait((request_id, item))
+        if dead is not None and self._on_engine_dead is not None:
+            self._on_engine_dead(dead)

@@ -1,0 +1,110 @@
+"""Descriptions of the served model, the server and its load, as response messages."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import TYPE_CHECKING
+
+from esurge.runner.sampler import MAX_LOGPROBS
+from generated.esurge.v1 import service_pb2
+from service.convert import SAMPLING_FIELDS, config_to_proto
+
+if TYPE_CHECKING:
+    from esurge.engine.api import eSurge
+
+__all__ = ["API_VERSION", "MAX_N", "load_info", "model_info", "server_info"]
+
+API_VERSION = "esurge.v1"
+# Samples per request the server accepts; more would let one call fill the batch.
+MAX_N = 16
+_LIBRARIES = ("esurge-grpc", "jax", "jaxlib", "flax", "grpcio", "protobuf", "tokenizers",
+              "numpy", "transformers")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _optional_id(hf_config: object, name: str) -> int | None:
+    value = getattr(hf_config, name, None)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
+    """What clients need to know about the served model."""
+    model = engine.model
+    hf = model.hf_config
+    special = service_pb2.SpecialTokenIds(eos_token_ids=model.eos_token_ids)
+    bos, pad = _optional_id(hf, "bos_token_id"), _optional_id(hf, "pad_token_id")
+    if bos is not None:
+        special.bos_token_id = bos
+    if pad is not None:
+        special.pad_token_id = pad
+    return service_pb2.GetModelInfoResponse(
+        model_name=model.model_dir.resolve().name,
+        architecture=model.architecture,
+        model_type=str(getattr(hf, "model_type", "")),
+        max_model_len=engine.config.scheduler_config.max_model_len,
+        vocab_size=model.vocab_size,
+        special_token_ids=special,
+        supported_options=service_pb2.SupportedOptions(
+            sampling_params=sorted(SAMPLING_FIELDS | {"max_tokens_unbounded"}),
+            max_logprobs=MAX_LOGPROBS,
+            has_tokenizer=engine.tokenizer is not None,
+            max_n=MAX_N,
+        ),
+        dtype=model.dtype,
+    )
+
+
+def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:
+    """Versions and the engine configuration in effect."""
+    import jax  # the engine already imported it; kept local so info stays cheap to import
+
+    versions = {name: v for name in _LIBRARIES if (v := _version(name)) is not None}
+    spec = engine.config.speculative_config
+    devices = jax.devices()
+    return service_pb2.GetServerInfoResponse(
+        server_version=versions.get("esurge-grpc", "unknown"),
+        api_version=API_VERSION,
+        library_versions=versions,
+        config=config_to_proto(engine.config),
+        page_size=engine.runner.page_size,
+        num_pages=engine.runner.num_pages,
+        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        platform=devices[0].platform,
+        # The runner places the model on the default device only.
+        num_devices=1,
+    )
+
+
+def load_info(engine: eSurge, draining: bool,
+              drafts: tuple[int, int] = (0, 0)) -> service_pb2.GetLoadResponse:
+    """A snapshot of the engine's load.
+
+    Read from the event loop's thread while the engine thread runs: each
+    number is a single read of a counter or a length, so each is exact at
+    some instant, not all at the same one. `drafts` is the (proposed,
+    accepted) draft token totals of the requests this server finished.
+    """
+    scheduler = engine.scheduler
+    running, waiting = scheduler.get_request_counts()
+    kv = scheduler.kv_cache_manager
+    queried, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    return service_pb2.GetLoadResponse(
+        num_running_requests=running,
+        num_waiting_requests=waiting,
+        kv_cache_usage=kv.usage,
+        num_free_pages=kv.num_free_pages,
+        prefix_cache_hit_rate=hits / queried if queried else 0.0,
+        prefix_cache_queried_tokens=queried,
+        prefix_cache_hit_tokens=hits,
+        num_draft_tokens=drafts[0],
+        num_accepted_tokens=drafts[1],
+        draining=draining,
+    )

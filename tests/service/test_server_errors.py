@@ -1,0 +1,178 @@
+"""Refusals: each bad input is INVALID_ARGUMENT naming its field; overload is
+RESOURCE_EXHAUSTED with a RetryInfo; a dead engine is INTERNAL. None of them
+disturbs a request that is already running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from esurge.sampling_params import SamplingParams
+from generated.esurge.v1 import engine_pb2, service_pb2
+from service.client import AsyncEngineClient, EngineClient, build_request
+from service.errors import field_violations, retry_delay_s, status_from_rpc_error
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def request(**sampling: Any) -> engine_pb2.EngineRequest:
+    msg = build_request([5, 6, 7, 8])
+    for name, value in sampling.items():
+        if name == "logit_bias":
+            msg.sampling_params.logit_bias.update(value)
+        elif isinstance(value, list):
+            getattr(msg.sampling_params, name).extend(value)
+        else:
+            setattr(msg.sampling_params, name, value)
+    return msg
+
+
+def no_prompt() -> engine_pb2.EngineRequest:
+    return engine_pb2.EngineRequest()
+
+
+def empty_ids() -> engine_pb2.EngineRequest:
+    msg = engine_pb2.EngineRequest()
+    msg.prompt_token_ids.SetInParent()
+    return msg
+
+
+def empty_text() -> engine_pb2.EngineRequest:
+    msg = engine_pb2.EngineRequest()
+    msg.prompt_text = ""
+    return msg
+
+
+def refusal(call: Callable[[], Any]) -> tuple[grpc.StatusCode, list[str], Any]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    status = status_from_rpc_error(info.value)
+    assert status is not None, info.value
+    return info.value.code(), [v.field for v in field_violations(status)], status
+
+
+BAD_REQUESTS: list[tuple[str, Callable[[], engine_pb2.EngineRequest], str]] = [
+    ("no prompt", no_prompt, "request.prompt"),
+    ("empty token ids", empty_ids, "request.prompt_token_ids"),
+    ("empty text", empty_text, "request.prompt_text"),
+    ("token id >= vocab", lambda: build_request([5, 512, 7]), "request.prompt_token_ids"),
+    ("prompt + max_tokens > max_model_len", lambda: request(max_tokens=510),
+     "request.sampling_params.max_tokens"),
+    ("top_p > 1", lambda: request(top_p=1.5), "request.sampling_params.top_p"),
+    ("negative temperature", lambda: request(temperature=-1.0),
+     "request.sampling_params.temperature"),
+    ("min_tokens > max_tokens", lambda: request(max_tokens=4, min_tokens=9),
+     "request.sampling_params.min_tokens"),
+    ("logprobs > 20", lambda: request(logprobs=21), "request.sampling_params.logprobs"),
+    ("bias out of range", lambda: request(logit_bias={5: 300.0}),
+     "request.sampling_params.logit_bias[5]"),
+    ("bias token >= vocab", lambda: request(logit_bias={600: 1.0}),
+     "request.sampling_params.logit_bias"),
+    ("stop token >= vocab", lambda: request(stop_token_ids=[999]),
+     "request.sampling_params.stop_token_ids"),
+    ("max_tokens and unbounded", lambda: request(max_tokens=4, max_tokens_unbounded=True),
+     "request.sampling_params.max_tokens_unbounded"),
+    ("n above the server's limit", lambda: request(n=17), "request.sampling_params.n"),
+]
+
+
+@pytest.fixture
+def running_stream(live_server: Any, client: EngineClient) -> Any:
+    """A request generating in the background while bad ones are refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    [expected] = live_server.engine.generate([[40, 41, 42]], params)
+    tokens: list[int] = []
+
+    def generate() -> None:
+        for message in client.generate([40, 41, 42], params, request_id="bystander"):
+            tokens.extend(message.token_ids)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    yield
+    thread.join(60)
+    assert tokens == expected.outputs[0].token_ids  # untouched by the refusals
+
+
+def test_each_bad_input_names_its_field(client: EngineClient, running_stream: Any) -> None:
+    for name, make, field in BAD_REQUESTS:
+        code, fields, _ = refusal(functools.partial(client.generate_unary, make()))
+        assert (name, code, fields) == (name, grpc.StatusCode.INVALID_ARGUMENT, [field])
+    # The streaming call refuses the same way before sending anything.
+    code, fields, _ = refusal(lambda: list(client.generate(request(top_p=0.0))))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.sampling_params.top_p"])
+
+
+def test_duplicate_live_request_id(client: EngineClient) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    stream = client.generate([21, 22], params, request_id="dup-1")
+    next(stream)
+    code, fields, _ = refusal(lambda: client.generate_unary([23], request_id="dup-1"))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.request_id"])
+    # The id can come from x-request-id metadata too; it is checked the same way.
+    code, fields, _ = refusal(lambda: client.generate_unary(
+        [23], metadata=[("x-request-id", "dup-1")]))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.request_id"])
+    assert client.abort(["dup-1"]) == ["dup-1"]
+    assert list(stream)[-1].finish_reason == engine_pb2.FINISH_REASON_ABORT
+    # Once it has ended, the id is free again.
+    assert client.generate_unary([23], SamplingParams(max_tokens=2), request_id="dup-1"
+                                 ).request_id == "dup-1"
+
+
+async def test_full_queue_is_resource_exhausted(live_server: Any, client: EngineClient) -> None:
+    running = live_server.engine.config.scheduler_config.max_num_seqs
+    total = running + live_server.max_queued_requests + 10
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    rejections: list[service_pb2.RequestRejection] = []
+    async with AsyncEngineClient(live_server.target, timeout=120) as aclient:
+        call = aclient.engine_stream()
+        for i in range(total):
+            await call.write(service_pb2.EngineStreamRequest(
+                add_request=build_request([30 + i % 100, 31], params, request_id=f"q{i}")))
+        async for response in call:
+            if response.HasField("rejection"):
+                rejections.append(response.rejection)
+            if len(rejections) >= 10:
+                break
+        # While the queue is full, a plain call is refused too, with a retry delay.
+        code, _, status = await asyncio.to_thread(
+            refusal, lambda: client.generate_unary([50, 51]))
+        call.cancel()  # closing the stream aborts all of its requests
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert retry_delay_s(status) == 1.0
+    assert {r.code for r in rejections} == {8}  # RESOURCE_EXHAUSTED
+    assert all(r.request_id.startswith("q") for r in rejections)
+
+
+def test_dead_engine_is_internal_and_not_serving(tiny_llama_dir: Path) -> None:
+    from esurge.config import CacheConfig, Config, SchedulerConfig
+    from esurge.engine.api import eSurge
+    from service.server import create_server
+
+    config = Config(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=16,
+                                    max_model_len=64, chunked_prefill_enabled=True),
+                    CacheConfig(num_pages=16, page_size=8, enable_prefix_caching=False))
+    engine = eSurge(tiny_llama_dir, config, warmup=False, show_progress=False)
+    engine.shutdown()  # the engine loop is gone, as after a crash
+
+    async def scenario() -> tuple[str, grpc.StatusCode]:
+        server, port = await create_server(engine)
+        try:
+            async with AsyncEngineClient(f"127.0.0.1:{port}", timeout=10) as aclient:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await aclient.generate_unary([1, 2, 3])
+                return await aclient.health(), info.value.code()
+        finally:
+            await server.stop(None)
+
+    health, code = asyncio.run(scenario())
+    assert (health, code) == ("NOT_SERVING", grpc.StatusCode.INTERNAL)
