@@ -24,7 +24,7 @@ in request order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -50,6 +50,11 @@ class ForwardBatch:
     query_start_loc: BatchArray  # [R + 1] int32
     seq_lens: BatchArray  # [R] int32
     logits_indices: BatchArray  # [L] int32
+    # Attention regroups rows into tiles of query_tile rows of one request
+    # (see AttentionMetadata and tile_layout); static, so each value compiles once.
+    query_tile: int = field(default=1, metadata={"static": True})
+    tile_rows: BatchArray | None = None  # [T_tiled] int32
+    row_in_tiles: BatchArray | None = None  # [T] int32
 
     @property
     def num_tokens(self) -> BatchArray:
@@ -165,3 +170,34 @@ def build_forward_batch(
     logits_indices = np.zeros(logits_bucket, np.int32)
     logits_indices[:len(logits)] = logits
     return ForwardBatch(ids, pos, req_of, slots, tables, qsl, seq_lens, logits_indices)
+
+
+def tiled_rows(num_tokens_bucket: int, num_reqs_bucket: int, tile: int) -> int:
+    """Rows of the tiled layout: room for every request's rounding plus the padding."""
+    padded = num_tokens_bucket + num_reqs_bucket * (tile - 1)
+    return -(-padded // tile) * tile
+
+
+def tile_layout(num_scheduled: np.ndarray, num_tokens_bucket: int, num_reqs_bucket: int,
+                tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tile_rows [T_tiled], row_in_tiles [T]) regrouping each request's rows,
+    which are consecutive in the flat layout, into whole tiles of its own.
+
+    num_scheduled: [R] tokens per request, in flat-row order. A request's last
+    tile is filled with copies of its last row; unused tiles repeat the last
+    flat row.
+    """
+    size = tiled_rows(num_tokens_bucket, num_reqs_bucket, tile)
+    n = num_scheduled.astype(np.int64)
+    flat_start = np.cumsum(n) - n
+    tiles_of = -(-n // tile)
+    tiled_start = (np.cumsum(tiles_of) - tiles_of) * tile
+    tile_rows = np.full(size, num_tokens_bucket - 1, np.int32)
+    row_in_tiles = np.full(num_tokens_bucket, size - 1, np.int32)
+    req = np.repeat(np.arange(len(n)), tiles_of * tile)
+    offset = np.arange(len(req)) - np.repeat(tiled_start, tiles_of * tile)
+    tile_rows[:len(req)] = flat_start[req] + np.minimum(offset, n[req] - 1)
+    total = int(n.sum())
+    flat_req = np.repeat(np.arange(len(n)), n)
+    row_in_tiles[:total] = tiled_start[flat_req] + (np.arange(total) - flat_start[flat_req])
+    return tile_rows, row_in_tiles

@@ -97,7 +97,11 @@ class CausalLM(nnx.Module):
         tables: dict[RopeConfig, tuple[jax.Array, jax.Array]] = {}
         page_tables, num_tokens = jnp.asarray(batch.page_tables), jnp.asarray(batch.num_tokens)
         slot_mapping = jnp.asarray(batch.slot_mapping)
-        metadata = [AttentionMetadata(positions, token_req, page_tables[g], num_tokens)
+        tile_rows = None if batch.tile_rows is None else jnp.asarray(batch.tile_rows)
+        row_in_tiles = None if batch.row_in_tiles is None else jnp.asarray(batch.row_in_tiles)
+        metadata = [AttentionMetadata(positions, token_req, page_tables[g], num_tokens,
+                                      query_tile=batch.query_tile, tile_rows=tile_rows,
+                                      row_in_tiles=row_in_tiles)
                     for g in range(kv_cache.num_groups)]
         aux: dict[int, jax.Array] = {}
         for i, layer in enumerate(self.model.layers):

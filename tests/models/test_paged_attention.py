@@ -118,3 +118,43 @@ def test_mismatched_heads_are_refused() -> None:
 def test_block_size_shrinks_for_large_token_buckets(num_tokens: int, expected: int) -> None:
     # One page of bf16 K for 16 tokens x 8 heads x 128 dims is 32 KiB per query token.
     assert block_pages_for(num_tokens, (100, 16, 8, 128), itemsize=2) == expected
+
+
+def tile_case(case: dict[str, Any], tile: int) -> tuple[dict[str, Any], list[int]]:
+    """The case laid out with each request's rows starting on a tile boundary.
+
+    Filler rows inside a request's last tile repeat its last real row; returns
+    the new layout and, per original row, its new row index.
+    """
+    rows: list[int] = []  # original row feeding each new row
+    where: list[int] = []
+    for r in range(len(REQUESTS)):
+        mine = [t for t in range(int(case["num_tokens"])) if case["token_req"][t] == r]
+        start = len(rows)
+        rows.extend(mine)
+        where.extend(range(start, start + len(mine)))
+        rows.extend([mine[-1]] * (-len(mine) % tile))
+    rows.extend([rows[-1]] * (-len(rows) % tile))
+    idx = np.asarray(rows)
+    tiled = dict(case, positions=case["positions"][idx], token_req=case["token_req"][idx],
+                 q=case["q"][idx], num_tokens=np.int32(len(rows)))
+    return tiled, where
+
+
+@pytest.mark.parametrize(("tile", "window", "softcap"), [(4, None, None), (8, 5, None),
+                                                          (16, None, 1.5)])
+def test_query_tiles_match_dense_attention(tile: int, window: int | None,
+                                           softcap: float | None) -> None:
+    case, keys, values = build_case(seed=tile)
+    k_cache, v_cache = fill_cache(case, keys, values)
+    tiled, where = tile_case(case, tile)
+    metadata = AttentionMetadata(jnp.asarray(tiled["positions"]), jnp.asarray(tiled["token_req"]),
+                                 jnp.asarray(tiled["tables"]), jnp.asarray(tiled["num_tokens"]),
+                                 query_tile=tile)
+    attend = jax.jit(functools.partial(paged_attention, scale=DIM ** -0.5, sliding_window=window,
+                                       softcap=softcap, block_pages=2))
+    out = np.asarray(attend(jnp.asarray(tiled["q"]), k_cache, v_cache, metadata))
+    for t in range(int(case["num_tokens"])):
+        r, pos = case["token_req"][t], case["positions"][t]
+        want = dense_reference(case["q"][t], keys[r], values[r], pos, window, None, softcap)
+        np.testing.assert_allclose(out[where[t]], want, atol=2e-5, err_msg=f"token {t}")
