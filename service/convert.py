@@ -15,9 +15,8 @@ Logprobs travel as 32-bit floats, so they come back rounded to float32.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
-from esurge.config import CacheConfig, Config, SchedulerConfig, SchedulingPolicy, SpeculativeConfig
 from esurge.engine_types import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -27,7 +26,8 @@ from esurge.engine_types import (
 )
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
-from generated.esurge.v1 import config_pb2, engine_pb2, sampling_pb2
+from generated.esurge.v1 import engine_pb2, sampling_pb2
+from service.config_convert import config_from_proto, config_to_proto
 from service.errors import (
     FieldViolation,
     InvalidFieldError,
@@ -76,16 +76,6 @@ _EVENT_TO_PROTO: dict[EngineCoreEventType, engine_pb2.EngineCoreEventType] = {
     EngineCoreEventType.PREEMPTED: engine_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED,
 }
 _EVENT_FROM_PROTO: dict[int, EngineCoreEventType] = {v: k for k, v in _EVENT_TO_PROTO.items()}
-
-_POLICY_TO_PROTO: dict[SchedulingPolicy, config_pb2.SchedulingPolicy] = {
-    SchedulingPolicy.FCFS: config_pb2.SCHEDULING_POLICY_FCFS,
-    SchedulingPolicy.PRIORITY: config_pb2.SCHEDULING_POLICY_PRIORITY,
-}
-_POLICY_FROM_PROTO: dict[int, Literal["priority", "fcfs"]] = {
-    config_pb2.SCHEDULING_POLICY_FCFS: "fcfs",
-    config_pb2.SCHEDULING_POLICY_PRIORITY: "priority",
-}
-
 
 # ----------------------------------------------------------------- sampling
 
@@ -388,70 +378,4 @@ def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineC
         outputs=[engine_core_output_from_proto(o) for o in msg.outputs],
         timestamp=msg.timestamp,
         finished_requests=set(msg.finished_requests) or None,
-    )
-
-
-# ------------------------------------------------------------------- config
-
-
-def config_to_proto(config: Config) -> config_pb2.EngineConfig:
-    """The proto form of the engine Config, every field filled in."""
-    sched, cache, spec = config.scheduler_config, config.cache_config, config.speculative_config
-    msg = config_pb2.EngineConfig(
-        scheduler_config=config_pb2.SchedulerConfig(
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=sched.max_model_len,
-            policy=_POLICY_TO_PROTO[sched.scheduling_policy],
-            long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            chunked_prefill_enabled=sched.chunked_prefill_enabled,
-            token_safety_margin=sched.token_safety_margin,
-            max_num_seq_buckets=sched.max_num_seq_buckets or (),
-            async_scheduling=sched.async_scheduling,
-        ),
-        cache_config=config_pb2.CacheConfig(
-            num_pages=cache.num_pages, page_size=cache.page_size,
-            enable_prefix_caching=cache.enable_prefix_caching,
-        ),
-    )
-    if spec is not None:
-        msg.speculative_config.CopyFrom(config_pb2.SpeculativeConfig(
-            num_speculative_tokens=spec.num_speculative_tokens,
-            speculative_model=spec.speculative_model,
-        ))
-    return msg
-
-
-def config_from_proto(msg: config_pb2.EngineConfig) -> Config:
-    """The engine Config from its proto form (validated by the Config classes)."""
-    sched, cache = msg.scheduler_config, msg.cache_config
-    if sched.policy not in _POLICY_FROM_PROTO:
-        raise ValueError(f"scheduler_config.policy {sched.policy!r} is not fcfs or priority")
-    spec: SpeculativeConfig | None = None
-    if msg.HasField("speculative_config"):
-        spec_msg = msg.speculative_config
-        spec = SpeculativeConfig(
-            num_speculative_tokens=spec_msg.num_speculative_tokens,
-            speculative_model=(spec_msg.speculative_model
-                               if spec_msg.HasField("speculative_model") else None),
-        )
-    return Config(
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=sched.max_model_len,
-            policy=_POLICY_FROM_PROTO[sched.policy],
-            long_prefill_token_threshold=sched.long_prefill_token_threshold,
-            chunked_prefill_enabled=sched.chunked_prefill_enabled,
-            token_safety_margin=(sched.token_safety_margin
-                                 if sched.HasField("token_safety_margin") else None),
-            max_num_seq_buckets=tuple(sched.max_num_seq_buckets) or None,
-            async_scheduling=sched.async_scheduling,
-        ),
-        cache_config=CacheConfig(
-            num_pages=cache.num_pages if cache.HasField("num_pages") else None,
-            page_size=cache.page_size,
-            enable_prefix_caching=cache.enable_prefix_caching,
-        ),
-        speculative_config=spec,
     )
