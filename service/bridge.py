@@ -96,9 +96,6 @@ class EngineBridge:
             collections.deque())
         self._wakeup_posted = False
         self.num_submitting = 0
-        # Draft tokens proposed / accepted over the requests finished here.
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
 
     def is_live(self, request_id: str) -> bool:
         """True while the request was submitted here and has not ended."""
@@ -190,8 +187,6 @@ class EngineBridge:
                 del self._sinks[request_id]
             elif item.finished:
                 del self._sinks[request_id]
-                self.num_draft_tokens += sum(c.num_draft_tokens for c in item.outputs)
-                self.num_accepted_tokens += sum(c.num_accepted_tokens for c in item.outputs)
             sink.put_nowait((request_id, item))
         if dead is not None and self._on_engine_dead is not None:
             self._on_engine_dead(dead)

@@ -83,15 +83,15 @@ def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:
     )
 
 
-def load_info(engine: eSurge, draining: bool,
-              drafts: tuple[int, int] = (0, 0)) -> service_pb2.GetLoadResponse:
+def load_info(engine: eSurge, draining: bool) -> service_pb2.GetLoadResponse:
     """A snapshot of the engine's load.
 
     Read from the event loop's thread while the engine thread runs: each
     number is a single read of a counter or a length, so each is exact at
-    some instant, not all at the same one. `drafts` is the (proposed,
-    accepted) draft token totals of the requests this server finished.
+    some instant, not all at the same one. Speculative decoding counters are
+    the engine's own, over every request since start-up.
     """
+    spec = engine.runner.spec_stats
     scheduler = engine.scheduler
     running, waiting = scheduler.get_request_counts()
     kv = scheduler.kv_cache_manager
@@ -104,7 +104,9 @@ def load_info(engine: eSurge, draining: bool,
         prefix_cache_hit_rate=hits / queried if queried else 0.0,
         prefix_cache_queried_tokens=queried,
         prefix_cache_hit_tokens=hits,
-        num_draft_tokens=drafts[0],
-        num_accepted_tokens=drafts[1],
+        num_draft_tokens=spec.num_draft_tokens if spec else 0,
+        num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        mean_acceptance_length=spec.mean_acceptance_length if spec else 0.0,
+        num_verifications=spec.num_verifications if spec else 0,
         draining=draining,
     )

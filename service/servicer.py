@@ -260,5 +260,4 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
                       context: Any) -> service_pb2.GetLoadResponse:
         """The engine's current load (also while draining)."""
         bridge = await self._bridge_or_abort(context)
-        return info.load_info(bridge.engine, self.state.phase is Phase.DRAINING,
-                              (bridge.num_draft_tokens, bridge.num_accepted_tokens))
+        return info.load_info(bridge.engine, self.state.phase is Phase.DRAINING)

@@ -8,6 +8,7 @@ import queue
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -124,10 +125,9 @@ class eSurge:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's "
                              f"max_position_embeddings ({limit})")
         spec = config.speculative_config
-        if spec is not None and spec.use_eagle() and spec.speculative_model is not None:
-            if not Path(spec.speculative_model).is_dir():
-                raise ValueError(f"speculative_model {spec.speculative_model!r} is not a "
-                                 "directory")
+        if (spec is not None and spec.use_eagle() and spec.speculative_model is not None
+                and not Path(spec.speculative_model).is_dir()):
+            raise ValueError(f"speculative_model {spec.speculative_model!r} is not a directory")
 
     @property
     def loop(self) -> EngineLoop:
@@ -142,15 +142,28 @@ class eSurge:
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None,
                callback: Any, *, request_id: str | None = None, priority: int = 0,
                cache_salt: str | None = None) -> str:
-        """Validate and queue one request; outputs go to callback on the engine thread."""
+        """Validate and queue one request; outputs go to callback on the engine thread.
+
+        Blocks until the engine thread accepted it (at most one step)."""
+        rid, accepted = self.submit_nowait(prompt, sampling_params, callback,
+                                           request_id=request_id, priority=priority,
+                                           cache_salt=cache_salt)
+        accepted.result()
+        return rid
+
+    def submit_nowait(self, prompt: Prompt, sampling_params: SamplingParams | None,
+                      callback: Any, *, request_id: str | None = None, priority: int = 0,
+                      cache_salt: str | None = None) -> tuple[str, Future[None]]:
+        """Like submit, without waiting: the future fails if the engine refuses it.
+
+        Input errors that need no engine state still raise ValueError at once."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         eos = self.inputs.eos_token_id
         future = self._loop.submit(rid, prepared.prompt, prepared.prompt_token_ids,
                                    prepared.params,
                                    lambda ids: prepared.engine_requests(ids, eos), callback)
-        future.result()
-        return rid
+        return rid, future
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -169,9 +182,16 @@ class eSurge:
 
         ids: list[str] = []
         try:
+            # Queue everything before waiting, so the engine admits the whole
+            # batch in its next step rather than one request per step.
+            futures = []
             for i, (prompt, p) in enumerate(zip(plist, params, strict=True)):
                 prio = priorities[i] if priorities is not None else 0
-                ids.append(self.submit(prompt, p, on_output, priority=prio))
+                rid, accepted = self.submit_nowait(prompt, p, on_output, priority=prio)
+                ids.append(rid)
+                futures.append(accepted)
+            for accepted in futures:
+                accepted.result()
         except BaseException:
             for rid in ids:
                 self.abort(rid)

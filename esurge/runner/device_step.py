@@ -12,7 +12,7 @@ from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward
 from esurge.models.kv_cache import KVCache
 
-__all__ = ["model_step", "pad_tokens", "prompt_logprobs_step"]
+__all__ = ["model_step", "model_step_features", "pad_tokens", "prompt_logprobs_step"]
 
 
 @partial(jax.jit, donate_argnums=(1,))
@@ -29,6 +29,31 @@ def model_step(
     logits, hidden, kv_cache = forward(model_state, kv_cache,
                                        dataclasses.replace(batch, input_ids=ids))
     return logits, hidden, kv_cache
+
+
+@partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers",))
+def model_step_features(
+    model_state: ModelState,
+    kv_cache: KVCache,
+    batch: ForwardBatch,
+    feature_layers: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
+    """(logits [L, V], final hidden [T, H], draft features [T, F], updated cache).
+
+    feature_layers () makes the features the final hidden states (EAGLE-1);
+    otherwise they are the outputs of those layers concatenated ([T, n * H],
+    EAGLE-3). The final hidden state then comes from the last layer's output
+    through the model's final norm, as forward computes it.
+    """
+    if not feature_layers:
+        logits, hidden, kv_cache = forward(model_state, kv_cache, batch)
+        return logits, hidden, hidden, kv_cache
+    last = model_state.module().config.num_layers - 1
+    wanted = tuple(sorted({*feature_layers, last}))
+    logits, aux, kv_cache = forward(model_state, kv_cache, batch, aux_hidden_layer_ids=wanted)
+    hidden = model_state.module().model.norm(aux[wanted.index(last)])
+    features = jnp.concatenate([aux[wanted.index(i)] for i in feature_layers], axis=-1)
+    return logits, hidden, features, kv_cache
 
 
 @partial(jax.jit, static_argnums=(1,))
@@ -50,6 +75,6 @@ def prompt_logprobs_step(
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)
     ranks = (logp > chosen).sum(axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(logp, top_n)
+    top_lp, top_ids = jax.lax.top_k(logp, min(top_n, logp.shape[-1]))
     ids = jnp.concatenate([targets[:, None], top_ids.astype(jnp.int32)], axis=-1)
     return ids, jnp.concatenate([chosen, top_lp], axis=-1), ranks

@@ -32,9 +32,11 @@ from esurge.runner.device_step import model_step, pad_tokens
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
 from esurge.runner.sampler import SamplerOutput, SamplerVariant, sample_jit
+from esurge.runner.spec_decoder import SpecDecoder, SpecStep
 from esurge.runner.step_inputs import StepInputs, build_step_inputs
 from esurge.runner.warmup import warm_up
 from esurge.scheduler.output import SchedulerOutput
+from esurge.spec_decode.stats import SpecStatsSnapshot
 
 __all__ = ["WarmupProgress", "eSurgeRunner"]
 
@@ -51,6 +53,7 @@ class _Pending:
     sampled: SamplerOutput | None
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     tokens: np.ndarray | None = None  # host copy once collected
+    spec: SpecStep | None = None
 
 
 def _available_host_bytes() -> int:
@@ -64,7 +67,13 @@ def _available_device_bytes() -> int:
 
 
 class eSurgeRunner:
-    """Runs scheduled steps of one loaded model over a paged KV cache."""
+    """Runs scheduled steps of one loaded model over a paged KV cache.
+
+    With `config.speculative_config` enabling Eagle, `spec` holds the draft
+    head and each step verifies and proposes drafts (steps then run
+    synchronously); `spec_stats` exposes the engine-wide counters. With it
+    off, `spec` is None and the step is exactly the plain one.
+    """
 
     def __init__(self, model: LoadedModel, config: Config, *, memory_fraction: float = 0.25,
                  min_token_bucket: int = 16) -> None:
@@ -77,6 +86,7 @@ class eSurgeRunner:
         self.max_model_len = sched.max_model_len
         self.kv_dtype = model.dtype
         self.page_size = cache.page_size
+        self.num_spec = config.num_speculative_tokens
         self.num_pages = cache.num_pages or self._pages_from_budget(memory_fraction)
         self.cache_groups: CacheGroupsConfig = model.cache_groups(self.num_pages, self.page_size)
         self.kv_cache: KVCache = init_kv_cache(self.cache_groups)
@@ -89,16 +99,33 @@ class eSurgeRunner:
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
         self._prev_index: dict[str, int] = {}
         self._prompt_logprobs = PromptLogprobsComputer(model.model_state)
+        self.spec: SpecDecoder | None = None
+        if self.num_spec and config.speculative_config is not None:
+            if sched.async_scheduling:
+                raise ValueError("speculative steps run synchronously: build the runner with "
+                                 "async_scheduling=False (eSurge does this for you)")
+            self.spec = SpecDecoder(model, config.speculative_config, self.cache_groups.groups,
+                                    self.num_pages, self.page_size, self.max_rows)
         self.compiled = False
+
+    @property
+    def spec_stats(self) -> SpecStatsSnapshot | None:
+        """Speculative decoding counters since start (None with speculation off)."""
+        return None if self.spec is None else self.spec.stats.snapshot()
 
     def _pages_from_budget(self, fraction: float) -> int:
         probe = self.model.cache_groups(1, self.page_size)
+        # The Eagle head's cache (usually one layer shaped like the target's)
+        # spans the same page ids; budget for it too.
+        page_bytes = probe.bytes_per_page
+        if self.num_spec:
+            page_bytes += probe.bytes_per_page // probe.group_size
         budget = int(_available_device_bytes() * fraction)
         sched = self.config.scheduler_config
         useful = sched.max_num_seqs * math.ceil(self.max_model_len / self.page_size) + 1
-        pages = max(2, min(budget // probe.bytes_per_page, useful))
+        pages = max(2, min(budget // page_bytes, useful))
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %d tokens) from %.0f%% of %.1f GiB "
-                 "free memory", pages, self.page_size, pages * probe.bytes_per_page / 2**20,
+                 "free memory", pages, self.page_size, pages * page_bytes / 2**20,
                  (pages - 1) * self.page_size, fraction * 100, budget / fraction / 2**30)
         return int(pages)
 
@@ -119,10 +146,15 @@ class eSurgeRunner:
             return _Pending(None, None, {})
         ib = self.input_batch
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
-                                   self._prev_index)
+                                   self._prev_index, self.num_spec)
         variant = ib.sampling.variant(inputs.rows)
         tensors = ib.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
                                       inputs.sample_positions, variant)
+        if self.spec is not None:
+            hidden, self.kv_cache, spec_step = self.spec.run(
+                self.model.model_state, self.kv_cache, ib, inputs, tensors, variant)
+            plp = self._prompt_logprobs.compute(ib, inputs, hidden)
+            return _Pending(inputs, None, plp, spec=spec_step)
         logits, hidden, self.kv_cache = model_step(
             self.model.model_state, self.kv_cache, inputs.batch, self._prev_tokens,
             inputs.prev_index)
@@ -137,6 +169,8 @@ class eSurgeRunner:
         gone = so.finished_req_ids | so.preempted_req_ids
         gone.update(new.req_id for new in so.scheduled_new_reqs if new.req_id in ib.row_of)
         ib.remove(gone)
+        if self.spec is not None:
+            self.spec.release(gone)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             row = ib.row_of[req_id]
@@ -152,6 +186,8 @@ class eSurgeRunner:
     def collect(self, pending: _Pending) -> ModelRunnerOutput:
         """Wait for a dispatched step; record and return its sampled tokens."""
         inputs, sampled = pending.inputs, pending.sampled
+        if inputs is not None and pending.spec is not None and self.spec is not None:
+            return self._collect_spec(inputs, pending.spec, pending.prompt_logprobs)
         if inputs is None or sampled is None:
             return ModelRunnerOutput.empty()
         tokens = np.asarray(sampled.token_ids)
@@ -173,6 +209,22 @@ class eSurgeRunner:
             sampled_token_ids=sampled_ids,
             logprobs=self._logprobs(inputs, sampled),
             prompt_logprobs=pending.prompt_logprobs,
+        )
+
+    def _collect_spec(self, inputs: StepInputs, step: SpecStep,
+                      prompt_logprobs: dict[str, list[TokenLogprobs | None]]
+                      ) -> ModelRunnerOutput:
+        if self.spec is None:
+            raise ValueError("a speculative step was collected by a runner without speculation")
+        ib = self.input_batch
+        emitted, proposals = self.spec.finish(ib, inputs, step)
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
+            sampled_token_ids=emitted,
+            spec_token_ids=proposals,
+            logprobs=self.spec.logprobs(inputs, step.verified, ib.sampling.num_logprobs),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logprobs(self, inputs: StepInputs,

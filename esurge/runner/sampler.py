@@ -21,7 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-__all__ = ["MAX_LOGPROBS", "SamplerOutput", "SamplerVariant", "SamplingTensors", "sample"]
+__all__ = [
+    "MAX_LOGPROBS", "SamplerOutput", "SamplerVariant", "SamplingTensors", "apply_dense",
+    "apply_filters", "gumbel_noise", "sample", "token_logprobs", "uniform_noise",
+]
 
 MAX_LOGPROBS = 20
 _NEG_INF = -jnp.inf
@@ -111,8 +114,8 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _gumbel(seeds: Array, positions: Array, vocab: int) -> jax.Array:
-    """Counter-based Gumbel noise: a pure function of (seed, position, token).
+def uniform_noise(seeds: Array, positions: Array, vocab: int) -> jax.Array:
+    """Counter-based uniforms in (0, 1): a pure function of (seed, position, column).
 
     A hash instead of jax.random's threefry because it compiles about eight
     times faster, and every sampler variant is compiled at warm-up.
@@ -123,18 +126,31 @@ def _gumbel(seeds: Array, positions: Array, vocab: int) -> jax.Array:
                                                       + jnp.uint32(0x9E3779B9))))
     cols = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
     bits = _mix(_mix(row[:, None] + cols * jnp.uint32(0x85EBCA77)) ^ row[:, None])
-    uniform = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1)
-    return -jnp.log(-jnp.log(uniform))
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_noise(seeds: Array, positions: Array, vocab: int) -> jax.Array:
+    """Gumbel noise [R, V] keyed by (seed, position, token), as the sampler draws it."""
+    return -jnp.log(-jnp.log(uniform_noise(seeds, positions, vocab)))
+
+
+_gumbel = gumbel_noise
 
 
 def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     # raw: [R, V] model logits, tokens: [R]
     logp = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+    # A vocabulary smaller than MAX_LOGPROBS has only that many alternatives.
+    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)
     ranks = (logp > chosen).sum(axis=-1).astype(jnp.int32) + 1
     ids = jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=-1)
     return ids, jnp.concatenate([chosen, top_lp], axis=-1), ranks
+
+
+apply_dense = _apply_dense
+apply_filters = _apply_filters
+token_logprobs = _logprobs
 
 
 def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:

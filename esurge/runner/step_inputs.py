@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from esurge.models.batch import ForwardBatch
+from esurge.models.batch import ForwardBatch, tile_layout
 from esurge.models.kv_cache import NULL_PAGE
 from esurge.runner.buckets import StepBuckets
 from esurge.runner.input_batch import InputBatch
@@ -25,6 +25,11 @@ class StepInputs:
     is that token's index in the request's output. prev_index[t] >= 0 means
     token t's id is the previous step's sampled token at that index (async
     scheduling), not yet on the host.
+
+    With speculative decoding (num_spec > 0), num_drafts[i] draft tokens of
+    request i are verified: its last 1 + num_drafts[i] token rows get logits,
+    laid out at logits rows [i * (1 + num_spec), ...); sample_positions[i] is
+    then the output index of the first token the step emits.
     """
 
     batch: ForwardBatch
@@ -36,14 +41,60 @@ class StepInputs:
     prev_index: np.ndarray  # [T_bucket] int32
     num_tokens: int
     num_reqs_bucket: int
+    num_drafts: np.ndarray  # [R] int32
+    num_spec: int = 0
+
+
+def _write_drafts(ib: InputBatch, sched: list[str], rows: np.ndarray,
+                  spec: dict[str, list[int]]) -> np.ndarray:
+    """Put each request's drafts after its known tokens (scratch, num_known unchanged)."""
+    num_drafts = np.zeros(len(sched), np.int32)
+    for i, req_id in enumerate(sched):
+        drafts = spec.get(req_id)
+        if drafts:
+            row, start = int(rows[i]), int(ib.num_known[rows[i]])
+            ib.token_ids[row, start:start + len(drafts)] = drafts
+            num_drafts[i] = len(drafts)
+    return num_drafts
+
+
+def _logits_rows(ends: np.ndarray, num_drafts: np.ndarray, r_bucket: int,
+                 num_spec: int) -> np.ndarray:
+    """Token rows whose logits are wanted: the last one per request, or its last
+    1 + num_drafts[i] at [i * (1 + num_spec), ...) when verifying drafts."""
+    if not num_spec:
+        out = np.zeros(r_bucket, np.int32)
+        out[:len(ends)] = ends - 1
+        return out
+    width = 1 + num_spec
+    out = np.zeros(r_bucket * width, np.int32)
+    for i, (end, nd) in enumerate(zip(ends.tolist(), num_drafts.tolist(), strict=True)):
+        out[i * width:i * width + nd + 1] = np.arange(end - 1 - nd, end)
+    return out
+
+
+QUERY_TILE = 16
+
+
+def query_tile_for(num_scheduled: np.ndarray) -> int:
+    """Tile attention queries when some request brings a prefill-sized chunk:
+    its rows then share one key gather per tile. Decode-only steps keep one
+    row per request."""
+    return QUERY_TILE if len(num_scheduled) and int(num_scheduled.max()) >= QUERY_TILE else 1
+
+
+def query_tiles_for_bucket(num_tokens_bucket: int) -> tuple[int, ...]:
+    """The query tiles a step in this token bucket may use (each compiles once)."""
+    return (1, QUERY_TILE) if num_tokens_bucket >= QUERY_TILE else (1,)
 
 
 def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets, page_size: int,
-                      prev_sample_index: dict[str, int]) -> StepInputs:
+                      prev_sample_index: dict[str, int], num_spec: int = 0) -> StepInputs:
     """Flatten the scheduled requests into bucket-padded ForwardBatch arrays.
 
     prev_sample_index maps a request to its sampler row in the step still in
-    flight, for tokens whose ids are not on the host yet.
+    flight, for tokens whose ids are not on the host yet. num_spec is the
+    number of speculative tokens per step (0: speculation off).
     """
     sched = sorted(so.num_scheduled_tokens, key=ib.row_of.__getitem__)
     rows = np.fromiter((ib.row_of[r] for r in sched), np.int64, len(sched))
@@ -52,11 +103,13 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     t_bucket, r_bucket = buckets.tokens_for(total), buckets.requests_for(num_reqs)
     ends = np.cumsum(n_sched)
     starts = ends - n_sched
+    num_drafts = (_write_drafts(ib, sched, rows, so.scheduled_spec_decode_tokens) if num_spec
+                  else np.zeros(num_reqs, np.int32))
     req_of_token = np.repeat(np.arange(num_reqs), n_sched)
     positions = ib.num_computed[rows][req_of_token] + (np.arange(total) - starts[req_of_token])
     token_rows = rows[req_of_token]
     ids = ib.token_ids[token_rows, positions]
-    unknown = positions >= ib.num_known[token_rows]
+    unknown = positions >= ib.num_known[token_rows] + num_drafts[req_of_token]
     prev_index = np.full(t_bucket, -1, np.int32)
     if unknown.any():
         prev_index[:total][unknown] = [prev_sample_index[sched[i]]
@@ -76,14 +129,19 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     tables[:, :num_reqs] = page_tables
     qsl = np.full(r_bucket + 1, total, np.int32)
     qsl[:num_reqs] = starts
+    tile = query_tile_for(n_sched)
+    tile_rows, row_in_tiles = (tile_layout(n_sched, t_bucket, r_bucket, tile) if tile > 1
+                               else (None, None))
     batch = ForwardBatch(
         input_ids=pad(ids, t_bucket), positions=pad(positions, t_bucket),
         token_req=pad(req_of_token, t_bucket), slot_mapping=pad(slot, t_bucket, NULL_PAGE),
         page_tables=tables, query_start_loc=qsl, seq_lens=pad(seq_lens, r_bucket),
-        logits_indices=pad(ends - 1, r_bucket),
+        logits_indices=_logits_rows(ends, num_drafts, r_bucket, num_spec),
+        query_tile=tile, tile_rows=tile_rows, row_in_tiles=row_in_tiles,
     )
     return StepInputs(
         batch=batch, req_ids=sched, rows=rows, samples=samples,
-        sample_positions=(seq_lens - ib.num_prompt[rows]).astype(np.int32), seq_lens=seq_lens,
-        prev_index=prev_index, num_tokens=total, num_reqs_bucket=r_bucket,
+        sample_positions=(seq_lens - num_drafts - ib.num_prompt[rows]).astype(np.int32),
+        seq_lens=seq_lens, prev_index=prev_index, num_tokens=total, num_reqs_bucket=r_bucket,
+        num_drafts=num_drafts, num_spec=num_spec,
     )

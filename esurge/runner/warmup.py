@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from esurge.models.batch import ForwardBatch
+from esurge.models.batch import ForwardBatch, tile_layout
 from esurge.models.kv_cache import NULL_PAGE
 from esurge.runner.device_step import (
     model_step,
@@ -20,7 +20,7 @@ from esurge.runner.device_step import (
 )
 from esurge.runner.sampler import MAX_LOGPROBS, SamplerVariant, sample_jit
 from esurge.runner.spec_sampler import verify_jit
-from esurge.runner.step_inputs import StepInputs
+from esurge.runner.step_inputs import StepInputs, query_tiles_for_bucket
 
 if TYPE_CHECKING:
     from esurge.runner.runner import eSurgeRunner
@@ -31,9 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def _padding_batch(runner: eSurgeRunner, tokens: int, requests: int,
-                   num_spec: int = 0) -> ForwardBatch:
+                   num_spec: int = 0, tile: int = 1) -> ForwardBatch:
     groups = len(runner.cache_groups.groups)
     max_pages = runner.input_batch.page_tables.shape[2]
+    tile_rows, row_in_tiles = (tile_layout(np.zeros(0, np.int64), tokens, requests, tile)
+                               if tile > 1 else (None, None))
     return ForwardBatch(
         input_ids=np.zeros(tokens, np.int32), positions=np.zeros(tokens, np.int32),
         token_req=np.zeros(tokens, np.int32),
@@ -42,14 +44,17 @@ def _padding_batch(runner: eSurgeRunner, tokens: int, requests: int,
         query_start_loc=np.zeros(requests + 1, np.int32),
         seq_lens=np.zeros(requests, np.int32),
         logits_indices=np.zeros(requests * (1 + num_spec), np.int32),
+        query_tile=tile, tile_rows=tile_rows, row_in_tiles=row_in_tiles,
     )
 
 
-def _padding_inputs(runner: eSurgeRunner, tokens: int, requests: int) -> StepInputs:
+def _padding_inputs(runner: eSurgeRunner, tokens: int, requests: int,
+                    tile: int = 1) -> StepInputs:
     """A step of no real request in the (tokens, requests) bucket."""
     none = np.zeros(0, np.int64)
     return StepInputs(
-        batch=_padding_batch(runner, tokens, requests, runner.num_spec), req_ids=[], rows=none,
+        batch=_padding_batch(runner, tokens, requests, runner.num_spec, tile), req_ids=[],
+        rows=none,
         samples=np.zeros(0, bool), sample_positions=np.zeros(0, np.int32),
         seq_lens=np.zeros(0, np.int32), prev_index=np.full(tokens, -1, np.int32), num_tokens=0,
         num_reqs_bucket=requests, num_drafts=np.zeros(0, np.int32), num_spec=runner.num_spec)
@@ -69,18 +74,18 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
     logits_of: dict[int, jax.Array] = {}
     hidden_of: dict[int, jax.Array] = {}
     state = runner.model.model_state
-    for tokens, requests in shapes:
-        inputs = _padding_inputs(runner, tokens, requests)
+    for tokens, requests, tile in _with_tiles(shapes):
+        inputs = _padding_inputs(runner, tokens, requests, tile)
         for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
             tensors = sampling.tensors(inputs.rows, requests, inputs.sample_positions, variant)
-            hidden, runner.kv_cache, step = spec.run(state, runner.kv_cache, runner.input_batch,
-                                                     inputs, tensors, variant)
+            _, runner.kv_cache, step = spec.run(state, runner.kv_cache, runner.input_batch,
+                                                inputs, tensors, variant, always_draft=True)
             jax.block_until_ready(step.drafts)
         # Device outputs of the same program, as the verify step gets them at run time.
         logits, hidden_of[tokens], _, runner.kv_cache = model_step_features(
             state, runner.kv_cache, inputs.batch, spec.feature_layers)
         logits_of[requests] = logits
-        tick(f"speculative step tokens={tokens} requests={requests}")
+        tick(f"speculative step tokens={tokens} requests={requests} tile={tile}")
     k = runner.num_spec
     for requests in sorted(logits_of):
         for variant in variants:
@@ -94,6 +99,10 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
     return hidden_of
 
 
+def _with_tiles(shapes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    return [(t, r, tile) for t, r in shapes for tile in query_tiles_for_bucket(t)]
+
+
 def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | None,
             shapes: list[tuple[int, int]] | None = None,
             variants: list[SamplerVariant] | None = None) -> float:
@@ -103,7 +112,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     variants = runner.sampler_variants() if variants is None else variants
     request_buckets = sorted({r for _, r in shapes})
     token_buckets = {t for t, _ in shapes}
-    total = (len(shapes) + len(request_buckets) * len(variants)
+    total = (len(_with_tiles(shapes)) + len(request_buckets) * len(variants)
              + (len(token_buckets) if variants else 0))
     done = 0
     hidden_of: dict[int, jax.Array] = {}
@@ -124,14 +133,14 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     # warm-ups: inputs of another origin (numpy, device_put) can carry other
     # placement metadata and would fill different cache entries.
     logits_of: dict[int, jax.Array] = {}
-    for tokens, requests in shapes:
-        batch = _padding_batch(runner, tokens, requests)
+    for tokens, requests, tile in _with_tiles(shapes):
+        batch = _padding_batch(runner, tokens, requests, tile=tile)
         logits, hidden, runner.kv_cache = model_step(
             runner.model.model_state, runner.kv_cache, batch, runner._prev_tokens,
             prev_index[tokens])
         jax.block_until_ready(logits)
         logits_of[requests], hidden_of[tokens] = logits, hidden
-        tick(f"model step tokens={tokens} requests={requests}")
+        tick(f"model step tokens={tokens} requests={requests} tile={tile}")
     for requests in request_buckets:
         sampling = runner.input_batch.sampling
         rows = np.zeros(0, np.int64)

@@ -130,7 +130,7 @@ def test_warm_up_serve_and_drain_on_sigterm(serve_process: ServeProcess) -> None
     assert "stopped (drained)" in serve_process.log
 
 
-@pytest.mark.parametrize("model", ["models/default", "/no/such/checkpoint"])
+@pytest.mark.parametrize("model", ["models/no-such-model", "/no/such/checkpoint"])
 def test_a_missing_model_directory_is_named(model: str) -> None:
     done = subprocess.run([sys.executable, "-m", "service", "--model", model], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)

@@ -265,7 +265,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_free_pages", "prefix_cache_hit_rate", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_draft_tokens", "num_accepted_tokens", "draining")
+    __slots__ = ("num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_free_pages", "prefix_cache_hit_rate", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_draft_tokens", "num_accepted_tokens", "draining", "mean_acceptance_length", "num_verifications")
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -276,6 +276,8 @@ class GetLoadResponse(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_VERIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     num_running_requests: int
     num_waiting_requests: int
     kv_cache_usage: float
@@ -286,4 +288,6 @@ class GetLoadResponse(_message.Message):
     num_draft_tokens: int
     num_accepted_tokens: int
     draining: bool
-    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_pages: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    mean_acceptance_length: float
+    num_verifications: int
+    def __init__(self, num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_pages: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., draining: _Optional[bool] = ..., mean_acceptance_length: _Optional[float] = ..., num_verifications: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,256 @@
+"""Eagle speculative decoding inside the runner's step.
+
+With speculation on, one step is: the target forward over [last token +
+drafts] rows (plus any prefill rows), verification of the drafts
+(`spec_sampler.verify_jit`), then the proposer drafting the next k tokens
+per request from this step's target features. Everything stays on the
+device until `finish` reads the emitted tokens and the new drafts.
+
+Requests whose sampling needs per-token host state (penalties, logit bias,
+allowed/bad tokens, min_tokens) are verified like any other but get no
+drafts: their masks for positions after a draft would need the draft
+tokens on the host first.
+
+Draft distributions of sampled requests are kept on the device in a buffer
+of max_rows + 1 slots (the last one a sink for padding rows) until their
+drafts are verified, which may be a later step than the next when the token
+budget skipped the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from esurge.config import SpeculativeConfig
+from esurge.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
+from esurge.models.forward import ModelState
+from esurge.models.kv_cache import KVCache
+from esurge.models.loader import LoadedModel
+from esurge.outputs import TokenLogprobs
+from esurge.runner.device_step import model_step_features
+from esurge.runner.input_batch import InputBatch
+from esurge.runner.sampler import SamplerVariant, SamplingTensors
+from esurge.runner.spec_sampler import SpecSamplerOutput, store_draft_probs, verify_jit
+from esurge.runner.step_inputs import StepInputs
+from esurge.spec_decode.checkpoint import load_eagle_head
+from esurge.spec_decode.config import EagleLayout
+from esurge.spec_decode.proposer import (
+    AttentionWindow,
+    DraftBatch,
+    DraftKVCache,
+    init_draft_cache,
+    propose,
+)
+from esurge.spec_decode.stats import SpecDecodeStats
+
+__all__ = ["SpecDecoder", "SpecStep"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SpecStep:
+    """A dispatched speculative step: device results plus host facts to read them."""
+
+    verified: SpecSamplerOutput
+    drafts: jax.Array  # [R, k] int32
+    propose: np.ndarray  # [num_reqs] bool
+
+
+def _draft_group(groups: tuple[Any, ...]) -> tuple[int, AttentionWindow]:
+    """The cache group whose page tables the draft reads: a full-attention one if any."""
+    for i, group in enumerate(groups):
+        if type(group.spec) is FullAttentionSpec:
+            return i, AttentionWindow()
+    spec = groups[0].spec
+    if isinstance(spec, SlidingWindowSpec):
+        return 0, AttentionWindow(sliding_window=spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return 0, AttentionWindow(chunk_size=spec.attention_chunk_size)
+    return 0, AttentionWindow()
+
+
+class SpecDecoder:
+    """The Eagle head, its paged cache and the per-step verify/propose calls."""
+
+    def __init__(self, model: LoadedModel, spec: SpeculativeConfig, groups: tuple[Any, ...],
+                 num_pages: int, page_size: int, max_rows: int) -> None:
+        if not spec.use_eagle() or spec.speculative_model is None:
+            raise ValueError(f"speculative_config does not enable Eagle: {spec!r}")
+        self.num_spec = spec.num_speculative_tokens
+        self.head = load_eagle_head(spec.speculative_model, model.config, model.dtype)
+        config = self.head.config
+        self.layout = config.layout
+        # The head names layer inputs; forward reports layer outputs (input of i = output of i-1).
+        self.feature_layers = (tuple(i - 1 for i in config.aux_layer_ids)
+                               if config.layout is EagleLayout.EAGLE3 else ())
+        self.draft_vocab = config.draft_vocab_size
+        self.group, self.window = _draft_group(groups)
+        self.cache: DraftKVCache = init_draft_cache(config, num_pages, page_size,
+                                                    jnp.dtype(model.dtype))
+        self.prob_buffer = jnp.zeros((max_rows + 1, self.num_spec, model.vocab_size),
+                                     jnp.float32)
+        self._sink = max_rows
+        self._free_slots = list(range(max_rows - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
+        self.stats = SpecDecodeStats()
+        log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
+                 config.layout.value, spec.speculative_model, self.num_spec, self.group,
+                 self.window)
+
+    def release(self, req_ids: set[str]) -> None:
+        """Free the draft-distribution slots of requests that left the batch."""
+        for req_id in req_ids:
+            slot = self._slot_of.pop(req_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+
+    def _slot(self, req_id: str) -> int:
+        slot = self._slot_of.get(req_id)
+        if slot is None:
+            slot = self._slot_of[req_id] = self._free_slots.pop()
+        return slot
+
+    def run(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
+            inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
+            *, always_draft: bool = False) -> tuple[jax.Array, KVCache, SpecStep]:
+        """Target forward, verification and proposal: (final hidden [T, H], cache, step).
+
+        always_draft runs the whole proposer even when no request gets drafts (warm-up).
+        """
+        logits, hidden, features, kv_cache = model_step_features(
+            model_state, kv_cache, inputs.batch, self.feature_layers)
+        r_bucket = inputs.num_reqs_bucket
+        drafts, num_drafts, prob_slots = self._scheduled_drafts(ib, inputs)
+        verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
+                              variant, self.draft_vocab)
+        draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
+        # Without a request to draft for (prefill chunks only), the pass that writes
+        # the draft's cache for this step's tokens is all that is needed.
+        new_drafts, probs, self.cache = propose(
+            self.head, self.cache, model_state, draft_batch, features, verified.token_ids,
+            verified.num_out, verified.draft_noise,
+            num_drafts=self.num_spec if always_draft or eligible.any() else 1,
+            window=self.window)
+        if probs is not None and (always_draft or eligible.any()):
+            slots = np.full(r_bucket, self._sink, np.int32)
+            sampled = eligible & (ib.sampling.temperature[inputs.rows] > 0)
+            for i in np.flatnonzero(sampled).tolist():
+                slots[i] = self._slot(inputs.req_ids[i])
+            self.prob_buffer = store_draft_probs(self.prob_buffer, slots, probs)
+        return hidden, kv_cache, SpecStep(verified, new_drafts, eligible)
+
+    def _scheduled_drafts(self, ib: InputBatch, inputs: StepInputs
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        r_bucket, k = inputs.num_reqs_bucket, self.num_spec
+        drafts = np.zeros((r_bucket, k), np.int32)
+        num_drafts = np.zeros(r_bucket, np.int32)
+        prob_slots = np.full(r_bucket, self._sink, np.int32)
+        for i in np.flatnonzero(inputs.num_drafts).tolist():
+            nd = int(inputs.num_drafts[i])
+            row, start = int(inputs.rows[i]), int(inputs.seq_lens[i]) - nd
+            drafts[i, :nd] = ib.token_ids[row, start:start + nd]
+            num_drafts[i] = nd
+            prob_slots[i] = self._slot_of.get(inputs.req_ids[i], self._sink)
+        return drafts, num_drafts, prob_slots
+
+    def _draft_batch(self, ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors
+                     ) -> tuple[DraftBatch, np.ndarray]:
+        batch, total = inputs.batch, inputs.num_tokens
+        num_reqs, r_bucket = len(inputs.req_ids), inputs.num_reqs_bucket
+        t_bucket = len(batch.input_ids)
+        positions = np.asarray(batch.positions[:total], np.int64)
+        token_req = np.asarray(batch.token_req[:total], np.int64)
+        rows = inputs.rows[token_req]
+        following = positions + 1
+        known = following < ib.num_known[rows]
+        next_ids = np.zeros(t_bucket, np.int32)
+        next_ids[:total][known] = ib.token_ids[rows[known], following[known]]
+        ends = np.asarray(batch.query_start_loc[1:num_reqs + 1], np.int64)
+        first_row = np.zeros(r_bucket, np.int32)
+        first_row[:num_reqs] = ends - 1 - inputs.num_drafts
+        offset = np.arange(total) - first_row[token_req]
+        emitted = inputs.samples[token_req] & (offset >= 0)
+        next_slot = np.full(t_bucket, -1, np.int32)
+        next_slot[:total][emitted] = offset[emitted]
+        dense = np.fromiter((ib.sampling.dense[r] is not None for r in inputs.rows.tolist()),
+                            bool, num_reqs)
+        eligible = inputs.samples & ~dense
+        propose_mask = np.zeros(r_bucket, bool)
+        propose_mask[:num_reqs] = eligible
+        g = self.group
+        draft_batch = DraftBatch(
+            positions=batch.positions, token_req=batch.token_req,
+            slot_mapping=batch.slot_mapping[g], page_tables=batch.page_tables[g],
+            num_tokens=np.int32(total), next_ids=next_ids, next_slot=next_slot,
+            first_row=first_row, propose=propose_mask,
+            temperature=np.asarray(tensors.temperature, np.float32))
+        return draft_batch, eligible
+
+    def finish(self, ib: InputBatch, inputs: StepInputs, step: SpecStep
+               ) -> tuple[list[list[int]], list[list[int]]]:
+        """Record the emitted tokens; (emitted ids, next drafts) per scheduled request."""
+        tokens = np.asarray(step.verified.token_ids)
+        num_out = np.asarray(step.verified.num_out)
+        drafts = np.asarray(step.drafts)
+        emitted: list[list[int]] = []
+        proposals: list[list[int]] = []
+        verifications = drafted = accepted = 0
+        for i, req_id in enumerate(inputs.req_ids):
+            if not inputs.samples[i]:
+                emitted.append([])
+                proposals.append([])
+                continue
+            n, nd = int(num_out[i]), int(inputs.num_drafts[i])
+            new = tokens[i, :n].tolist()
+            emitted.append(new)
+            row = ib.row_of[req_id]
+            start = int(inputs.seq_lens[i]) - nd
+            ib.record_tokens(row, start, new)
+            ib.sampling.observe(row, new)
+            if nd:
+                verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
+            proposals.append(self._allowed_drafts(ib, row, start + n, drafts[i])
+                             if step.propose[i] else [])
+        self.stats.record(verifications, drafted, accepted)
+        return emitted, proposals
+
+    def _allowed_drafts(self, ib: InputBatch, row: int, num_tokens: int,
+                        drafts: np.ndarray) -> list[int]:
+        """Drafts that could still be emitted: none past max_tokens or max_model_len."""
+        limit = self.num_spec
+        max_tokens = ib.params[row].max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - (num_tokens - int(ib.num_prompt[row])) - 1)
+        limit = min(limit, ib.max_model_len - num_tokens - 1)
+        return drafts[:max(limit, 0)].tolist()
+
+    @staticmethod
+    def logprobs(inputs: StepInputs, verified: SpecSamplerOutput, num_logprobs: np.ndarray
+                 ) -> list[list[TokenLogprobs] | None] | None:
+        """Per request, one TokenLogprobs per emitted token (None where not asked)."""
+        if verified.logprobs is None or verified.logprob_token_ids is None or (
+                verified.ranks is None):
+            return None
+        ids, lps = np.asarray(verified.logprob_token_ids), np.asarray(verified.logprobs)
+        ranks, num_out = np.asarray(verified.ranks), np.asarray(verified.num_out)
+        out: list[list[TokenLogprobs] | None] = []
+        for i in range(len(inputs.req_ids)):
+            n = int(num_logprobs[inputs.rows[i]])
+            if n < 0 or not inputs.samples[i]:
+                out.append(None)
+                continue
+            out.append([TokenLogprobs(tuple(ids[i, j, :1 + n].tolist()),
+                                      tuple(lps[i, j, :1 + n].tolist()), int(ranks[i, j]))
+                        for j in range(int(num_out[i]))])
+        return out

@@ -1,0 +1,137 @@
+"""On-device verification of draft tokens, in the target step.
+
+The logits come in 1 + k rows per request (`StepInputs` layout). Each row is
+processed exactly as the plain sampler would process the logits of that
+output position (penalties and masks, temperature, min-p, top-k, top-p), so
+the target distributions being verified are the ones plain sampling draws
+from. Greedy rows accept the longest agreeing prefix; sampled rows go
+through `esurge.spec_decode.rejection.rejection_sample`.
+
+Randomness is counter-based, keyed by (request seed, output position) and a
+stream salt: the target's own sample at a position uses the plain sampler's
+noise (so a request with no drafts samples exactly as without speculation),
+acceptance tests, residual samples and the draft's own sampling each use
+their own stream, so no random number is ever used twice.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from esurge.runner.sampler import (
+    SamplerVariant,
+    SamplingTensors,
+    apply_dense,
+    apply_filters,
+    gumbel_noise,
+    token_logprobs,
+    uniform_noise,
+)
+from esurge.spec_decode.rejection import accept_greedy, rejection_sample
+
+__all__ = ["SpecSamplerOutput", "store_draft_probs", "verify", "verify_jit"]
+
+_ACCEPT_SALT = 0xA5C3E1F7
+_RECOVER_SALT = 0x5B2D94C1
+_DRAFT_SALT = 0xC8E1B3D5
+
+
+@struct.dataclass
+class SpecSamplerOutput:
+    """Emitted tokens per request and what the proposer and logprobs need."""
+
+    token_ids: jax.Array  # [R, S] int32: the first num_out of each row are emitted
+    num_out: jax.Array  # [R] int32
+    draft_noise: jax.Array | None = None  # [k, R, draft_vocab] Gumbel noise for drafting
+    logprob_token_ids: jax.Array | None = None  # [R, S, 1 + MAX_LOGPROBS] int32
+    logprobs: jax.Array | None = None  # [R, S, 1 + MAX_LOGPROBS] float32
+    ranks: jax.Array | None = None  # [R, S] int32
+
+
+def _salted(seeds: jax.Array | np.ndarray, salt: int) -> jax.Array:  # [R, 2] uint32
+    seeds = jnp.asarray(seeds, jnp.uint32)
+    return seeds.at[:, 1].set(seeds[:, 1] ^ jnp.uint32(salt))
+
+
+def _per_row(tensors: SamplingTensors, s: int) -> SamplingTensors:
+    """Each request's tensors repeated for its s rows; positions advance by row."""
+    positions = jnp.asarray(tensors.positions)[:, None] + jnp.arange(s)[None, :]
+    rows = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), s, axis=0), tensors)
+    return rows.replace(positions=positions.reshape(-1))
+
+
+def _draft_noise(tensors: SamplingTensors, k: int, draft_vocab: int) -> jax.Array:
+    """[k, R, draft_vocab]: noise for draft step i keyed by the step's first output position."""
+    return jnp.stack([gumbel_noise(_salted(tensors.seeds, _DRAFT_SALT + i), tensors.positions,
+                                   draft_vocab) for i in range(k)])
+
+
+def _sampled(processed: jax.Array, rows: SamplingTensors, greedy: jax.Array,
+             drafts: jax.Array, num_drafts: jax.Array, draft_probs: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling for every request (greedy rows use their argmax as the sample)."""
+    r, k = drafts.shape
+    s, vocab = k + 1, processed.shape[-1]
+    is_greedy = rows.temperature <= 0.0
+    scaled = apply_filters(processed / jnp.where(is_greedy, 1.0, rows.temperature)[:, None], rows)
+    own = jnp.argmax(scaled + gumbel_noise(rows.seeds, rows.positions, vocab), axis=-1)
+    own = jnp.where(is_greedy, greedy, own.astype(jnp.int32)).reshape(r, s)
+    probs = jax.nn.softmax(scaled, axis=-1).reshape(r, s, vocab)
+    head_rows = jax.tree.map(lambda x: x.reshape(r, s, *x.shape[1:])[:, :k].reshape(
+        r * k, *x.shape[1:]), rows)
+    uniforms = uniform_noise(_salted(head_rows.seeds, _ACCEPT_SALT), head_rows.positions, 1)
+    recover = gumbel_noise(_salted(head_rows.seeds, _RECOVER_SALT), head_rows.positions, vocab)
+    return rejection_sample(probs, draft_probs, drafts, num_drafts, uniforms.reshape(r, k),
+                            recover.reshape(r, k, vocab), own)
+
+
+def verify(
+    logits: jax.Array,  # [R * S, V]: S = 1 + k rows per request
+    tensors: SamplingTensors,  # per request, padded to R
+    drafts: jax.Array,  # [R, k] int32
+    num_drafts: jax.Array,  # [R] int32
+    draft_probs: jax.Array,  # [M, k, V] float32: stored draft distributions
+    prob_slots: jax.Array,  # [R] int32: each request's slot in draft_probs
+    variant: SamplerVariant,
+    draft_vocab: int,
+) -> SpecSamplerOutput:
+    """Verify every request's drafts; see the module docstring."""
+    r, k = drafts.shape
+    s = k + 1
+    rows = _per_row(tensors, s)
+    raw = logits.astype(jnp.float32)
+    processed = apply_dense(raw, rows) if variant.dense else raw
+    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    tokens, num_out = accept_greedy(greedy.reshape(r, s), drafts, num_drafts)
+    noise = None
+    if not variant.all_greedy:
+        stored = draft_probs[prob_slots]
+        s_tokens, s_num = _sampled(processed, rows, greedy, drafts, num_drafts, stored)
+        sampled_req = jnp.asarray(tensors.temperature) > 0.0
+        tokens = jnp.where(sampled_req[:, None], s_tokens, tokens)
+        num_out = jnp.where(sampled_req, s_num, num_out)
+        noise = _draft_noise(tensors, k, draft_vocab)
+    if not variant.logprobs:
+        return SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise)
+    ids, lps, ranks = token_logprobs(raw, tokens.reshape(-1))
+    return SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise,
+                             logprob_token_ids=ids.reshape(r, s, -1),
+                             logprobs=lps.reshape(r, s, -1), ranks=ranks.reshape(r, s))
+
+
+verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab"))
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def store_draft_probs(
+    buffer: jax.Array,  # [M, k, V]
+    slots: jax.Array,  # [R] int32
+    probs: jax.Array,  # [R, k, V]
+) -> jax.Array:
+    """Keep each request's draft distributions until its drafts are verified."""
+    return buffer.at[slots].set(probs)

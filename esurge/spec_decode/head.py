@@ -1,0 +1,254 @@
+"""The Eagle draft head as Flax nnx modules, named like the published checkpoints.
+
+Module paths are the checkpoint's tensor names (`fc.weight`,
+`layers.0.self_attn.q_proj.weight`, `midlayer.hidden_norm.weight`, ...), so
+loading is a walk over the parameter tree. Attention is left to the caller
+through an `Attend` callable: the engine attends over the paged draft cache,
+the trainer over a dense mask, and the projections stay the same code.
+
+One draft step maps (hidden [T, H], token embeddings [T, H]) to a new hidden
+state [T, H]:
+- EAGLE-1: x = fc([embedding; hidden]), then the decoder layers (the first
+  without its input norm). Logits come from the target's LM head.
+- EAGLE-3: one midlayer over [input_layernorm(embedding); hidden_norm(hidden)]
+  with `hidden` as the residual; logits = lm_head(norm(x)) over the draft
+  vocabulary. Its first hidden input is fc over the three fused target layers.
+The returned hidden state is what the next step consumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from esurge.models.decoder_config import Activation
+from esurge.models.layers import Embedding, Linear, RMSNorm
+from esurge.models.rope import apply_rope
+from esurge.spec_decode.config import EagleConfig, EagleLayout
+
+__all__ = ["Attend", "EagleHead", "EagleState", "HeadParams", "init_head"]
+
+# attend(layer index, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) -> [T, heads, D]
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+HeadParams = dict[str, Any]  # nested {module name: ... {param name: array}}
+
+
+def _activate(kind: Activation, x: jax.Array) -> jax.Array:
+    if kind is Activation.SILU:
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=kind is Activation.GELU_TANH)
+
+
+def _norm(dim: int, config: EagleConfig, dtype: jnp.dtype) -> RMSNorm:
+    return RMSNorm(dim, eps=config.rms_norm_eps, offset=False, dtype=dtype)
+
+
+class _MLP(nnx.Module):
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype):
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype)
+        self.up_proj = Linear(h, i, bias=bias, dtype=dtype)
+        self.down_proj = Linear(i, h, bias=bias, dtype=dtype)
+        self.activation = config.activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [T, H]
+        return self.down_proj(_activate(self.activation, self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Attention(nnx.Module):
+    def __init__(self, in_features: int, config: EagleConfig, *, dtype: jnp.dtype):
+        d, bias = config.head_dim, config.attention_bias
+        self.q_proj = Linear(in_features, config.num_heads * d, bias=bias, dtype=dtype)
+        self.k_proj = Linear(in_features, config.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.v_proj = Linear(in_features, config.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.o_proj = Linear(config.num_heads * d, config.hidden_size, bias=bias, dtype=dtype)
+        self.shape = (config.num_heads, config.num_kv_heads, d)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
+                 layer: int) -> jax.Array:  # x: [T, in_features] -> [T, H]
+        heads, kv_heads, d = self.shape
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).reshape(t, heads, d), *rope)
+        k = apply_rope(self.k_proj(x).reshape(t, kv_heads, d), *rope)
+        v = self.v_proj(x).reshape(t, kv_heads, d)
+        return self.o_proj(attend(layer, q, k, v).reshape(t, heads * d))
+
+
+class _Eagle1Layer(nnx.Module):
+    """A Llama decoder layer; EAGLE-1 drops the input norm of layer 0."""
+
+    def __init__(self, config: EagleConfig, index: int, *, dtype: jnp.dtype):
+        h = config.hidden_size
+        self.input_layernorm = _norm(h, config, dtype) if index > 0 else None
+        self.self_attn = _Attention(h, config, dtype=dtype)
+        self.post_attention_layernorm = _norm(h, config, dtype)
+        self.mlp = _MLP(config, dtype=dtype)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
+                 layer: int) -> jax.Array:  # [T, H]
+        normed = x if self.input_layernorm is None else self.input_layernorm(x)
+        x = x + self.self_attn(normed, rope, attend, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Eagle3Layer(nnx.Module):
+    """The EAGLE-3 midlayer: attention over [normed embedding; normed hidden]."""
+
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype):
+        h = config.hidden_size
+        self.input_layernorm = _norm(h, config, dtype)
+        self.hidden_norm = _norm(h, config, dtype)
+        self.self_attn = _Attention(2 * h, config, dtype=dtype)
+        self.post_attention_layernorm = _norm(h, config, dtype)
+        self.mlp = _MLP(config, dtype=dtype)
+        self.norm_before_residual = config.norm_before_residual
+
+    def __call__(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
+                 attend: Attend) -> jax.Array:  # [T, H], [T, H] -> [T, H]
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = jnp.concatenate([self.input_layernorm(embeds), normed], axis=-1)
+        x = residual + self.self_attn(x, rope, attend, 0)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleHead(nnx.Module):
+    """An EAGLE-1 or EAGLE-3 draft head (see the module docstring)."""
+
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, own_embedding: bool = False):
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = (Embedding(config.vocab_size, h, dtype=dtype)
+                             if own_embedding else None)
+        if config.layout is EagleLayout.EAGLE1:
+            self.fc = Linear(2 * h, h, bias=config.fc_bias, dtype=dtype)
+            self.layers = nnx.List([_Eagle1Layer(config, i, dtype=dtype)
+                                    for i in range(config.num_layers)])
+        else:
+            self.fc = Linear(config.feature_size, h, bias=False, dtype=dtype)
+            self.midlayer = _Eagle3Layer(config, dtype=dtype)
+            self.norm = _norm(h, config, dtype)
+            self.lm_head = Linear(h, config.draft_vocab_size, bias=False, dtype=dtype)
+
+    def embed(self, ids: jax.Array, target: Any) -> jax.Array:  # [T] -> [T, H]
+        """Token embeddings: the head's own table if it has one, else the target's."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(ids)
+        return target.model.embed_tokens(ids)
+
+    def first_hidden(self, features: jax.Array) -> jax.Array:  # [T, F] -> [T, H]
+        """The hidden input of the first draft step from the target's features."""
+        if self.config.layout is EagleLayout.EAGLE3:
+            return self.fc(features)
+        return features
+
+    def step(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
+             attend: Attend) -> jax.Array:  # [T, H], [T, H] -> [T, H]
+        """One draft step; the result feeds the next step and the LM head."""
+        if self.config.layout is EagleLayout.EAGLE3:
+            return self.midlayer(hidden, embeds.astype(hidden.dtype), rope, attend)
+        x = self.fc(jnp.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, attend, i)
+        return x
+
+    def logits(self, hidden: jax.Array, target: Any) -> jax.Array:
+        """[T, H] -> [T, draft_vocab] float32 (the target's LM head for EAGLE-1)."""
+        if self.config.layout is EagleLayout.EAGLE3:
+            return self.lm_head(self.norm(hidden)).astype(jnp.float32)
+        return target.compute_logits(hidden)
+
+
+class EagleState:
+    """A draft head as a pytree: static graph definition, parameters and the d2t map.
+
+    d2t [draft_vocab] int32 maps a draft token d to target token d + d2t[d]
+    (zeros for EAGLE-1, whose vocabulary is the target's).
+    """
+
+    __slots__ = ("_graphdef", "_hash", "d2t", "params")
+
+    def __init__(self, graphdef: nnx.GraphDef[EagleHead], params: HeadParams,
+                 d2t: jax.Array) -> None:
+        self._graphdef = graphdef
+        self._hash = hash(graphdef)
+        self.params = params
+        self.d2t = d2t
+
+    @property
+    def graphdef(self) -> nnx.GraphDef[EagleHead]:
+        """The static nnx graph definition."""
+        return self._graphdef
+
+    def module(self) -> EagleHead:
+        """The nnx module holding these parameters."""
+        return nnx.merge(self._graphdef, self.params)
+
+    @property
+    def config(self) -> EagleConfig:
+        """The head's static configuration."""
+        return self.module().config
+
+    def replace_params(self, params: HeadParams) -> EagleState:
+        """The same head with other parameter values (training)."""
+        return EagleState(self._graphdef, params, self.d2t)
+
+    def _flatten(self) -> tuple[tuple[HeadParams, jax.Array], _StaticGraph]:
+        return (self.params, self.d2t), _StaticGraph(self._graphdef, self._hash)
+
+    @classmethod
+    def _unflatten(cls, static: _StaticGraph, children: tuple[HeadParams, jax.Array]
+                   ) -> EagleState:
+        state = cls.__new__(cls)
+        state._graphdef, state._hash = static.graphdef, static.hash
+        state.params, state.d2t = children
+        return state
+
+
+class _StaticGraph:
+    """A graph definition hashed once (jit hashes static data on every call)."""
+
+    __slots__ = ("graphdef", "hash")
+
+    def __init__(self, graphdef: nnx.GraphDef[EagleHead], hash_: int) -> None:
+        self.graphdef, self.hash = graphdef, hash_
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _StaticGraph):
+            return NotImplemented
+        return self.graphdef is other.graphdef or (
+            self.hash == other.hash and self.graphdef == other.graphdef)
+
+
+jax.tree_util.register_pytree_node(EagleState, EagleState._flatten, EagleState._unflatten)
+
+
+def init_head(config: EagleConfig, *, seed: int, dtype: str = "float32",
+              d2t: jax.Array | None = None, scale: float = 0.02) -> EagleState:
+    """A freshly initialised head: normal(0, scale) matrices, unit norms, zero biases.
+
+    d2t [draft_vocab] defaults to zeros (draft vocabulary = target vocabulary prefix).
+    """
+    jdtype = jnp.dtype(dtype)
+    abstract = nnx.eval_shape(lambda: EagleHead(config, dtype=jdtype))
+    graphdef, state = nnx.split(abstract)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    values = []
+    for (path, leaf), key in zip(leaves, keys, strict=True):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if len(leaf.shape) == 1:
+            values.append(jnp.full(leaf.shape, 1.0 if name == "weight" else 0.0, jdtype))
+        else:
+            values.append((scale * jax.random.normal(key, leaf.shape)).astype(jdtype))
+    params = jax.tree_util.tree_unflatten(treedef, values)
+    if d2t is None:
+        d2t = jnp.zeros(config.draft_vocab_size, jnp.int32)
+    return EagleState(graphdef, params, jnp.asarray(d2t, jnp.int32))

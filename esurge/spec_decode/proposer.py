@@ -1,0 +1,249 @@
+"""The Eagle proposer: k draft tokens per request from the target's hidden states.
+
+After the target step, one jitted call runs:
+
+1. a draft pass over every token row of the step (same bucket, positions and
+   page tables as the target): row t pairs the target's feature at position
+   t with the token at t + 1 (known prompt/output tokens from the host, or
+   this step's emitted tokens from the device), and writes the draft's K/V
+   at position t. Rows past a request's accepted run write junk that later
+   passes overwrite before anything reads it;
+2. the first draft token from the row of each request's last emitted token;
+3. k - 1 single-token passes (a `lax.scan`), each feeding back the previous
+   draft token and the draft's own hidden state one position further.
+
+The draft KV cache is its own pytree over the same page ids as the target's
+(indexed by one cache group's page tables), so it is allocated and freed with
+the request's pages and needs no bookkeeping of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from esurge.models.forward import ModelState
+from esurge.models.kv_cache import NULL_PAGE
+from esurge.models.paged_attention import AttentionMetadata, paged_attention, write_kv
+from esurge.models.rope import rope_cos_sin
+from esurge.spec_decode.config import EagleConfig
+from esurge.spec_decode.head import EagleHead, EagleState
+
+__all__ = ["AttentionWindow", "DraftBatch", "DraftKVCache", "init_draft_cache", "propose"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionWindow:
+    """How far back the draft attends: the window of the cache group it reads."""
+
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DraftKVCache:
+    """Paged keys and values of the draft's layers."""
+
+    keys: tuple[jax.Array, ...]  # num_layers x [num_pages, page_size, kv_heads, head_dim]
+    values: tuple[jax.Array, ...]  # num_layers x [num_pages, page_size, kv_heads, head_dim]
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return int(self.keys[0].shape[1])
+
+
+def init_draft_cache(config: EagleConfig, num_pages: int, page_size: int,
+                     dtype: Any) -> DraftKVCache:
+    """A zeroed draft cache over num_pages pages."""
+    shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
+    layers = range(config.num_layers)
+    return DraftKVCache(tuple(jnp.zeros(shape, dtype) for _ in layers),
+                        tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class DraftBatch:
+    """Host arrays of one proposal, aligned with the target step's (T, R) bucket.
+
+    slot_mapping and page_tables are the draft's cache group's. next_ids[t] is
+    the known token after row t (0 when not known on the host); next_slot[t]
+    >= 0 means it is this step's emitted token number next_slot[t] instead.
+    first_row[r] is request r's first verification row (its last known token);
+    propose[r] says whether r gets drafts; temperature[r] > 0 means r samples.
+    """
+
+    positions: Any  # [T] int32
+    token_req: Any  # [T] int32
+    slot_mapping: Any  # [T] int32
+    page_tables: Any  # [R, P] int32
+    num_tokens: Any  # [] int32: real token rows
+    next_ids: Any  # [T] int32
+    next_slot: Any  # [T] int32
+    first_row: Any  # [R] int32
+    propose: Any  # [R] bool
+    temperature: Any  # [R] float32
+
+
+class _PagedAttend:
+    """Attention over the draft's paged cache; collects the updated cache arrays."""
+
+    def __init__(self, cache: DraftKVCache, metadata: AttentionMetadata, slots: jax.Array,
+                 config: EagleConfig, window: AttentionWindow) -> None:
+        self.keys, self.values = list(cache.keys), list(cache.values)
+        self.metadata, self.slots = metadata, slots
+        self.scale = config.head_dim ** -0.5
+        self.window = window
+
+    def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        kc, vc = write_kv(self.keys[layer], self.values[layer], k, v, self.slots)
+        self.keys[layer], self.values[layer] = kc, vc
+        return paged_attention(q, kc, vc, self.metadata, scale=self.scale,
+                               sliding_window=self.window.sliding_window,
+                               chunk_size=self.window.chunk_size)
+
+    def cache(self) -> DraftKVCache:
+        return DraftKVCache(tuple(self.keys), tuple(self.values))
+
+
+def _draw(logits: jax.Array, temperature: jax.Array, noise: jax.Array | None,
+          d2t: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array | None]:
+    """Draft tokens [R] (target ids) and, when sampling, their distributions [R, V]."""
+    # logits: [R, Vd] float32, noise: [R, Vd] Gumbel or None (all greedy)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if noise is None:
+        return greedy + d2t[greedy], None
+    sampled = temperature > 0
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    draft = jnp.where(sampled, drawn, greedy)
+    probs_draft = jax.nn.softmax(scaled, axis=-1)
+    target_ids = jnp.arange(logits.shape[-1]) + d2t
+    probs = jnp.zeros((logits.shape[0], vocab), jnp.float32).at[:, target_ids].set(probs_draft)
+    return draft + d2t[draft], probs
+
+
+def _first_pass(head: EagleHead, target: Any, cache: DraftKVCache, batch: DraftBatch,
+                features: jax.Array, out_tokens: jax.Array, num_out: jax.Array,
+                window: AttentionWindow) -> tuple[jax.Array, jax.Array, DraftKVCache]:
+    """Draft hidden state [R, H] and position [R] at each request's last emitted token."""
+    config = head.config
+    req = jnp.asarray(batch.token_req)
+    slot = jnp.asarray(batch.next_slot)
+    take = jnp.clip(jnp.minimum(slot, num_out[req] - 1), 0, out_tokens.shape[1] - 1)
+    ids = jnp.where(slot >= 0, out_tokens[req, take], jnp.asarray(batch.next_ids))
+    positions = jnp.asarray(batch.positions)
+    rope = rope_cos_sin(config.rope, config.head_dim, positions, positions + 1)
+    metadata = AttentionMetadata(positions, req, jnp.asarray(batch.page_tables),
+                                 jnp.asarray(batch.num_tokens))
+    attend = _PagedAttend(cache, metadata, jnp.asarray(batch.slot_mapping), config, window)
+    hidden = head.step(head.first_hidden(features), head.embed(ids, target), rope, attend)
+    last = jnp.clip(jnp.asarray(batch.first_row) + num_out - 1, 0, hidden.shape[0] - 1)
+    return hidden[last], positions[last], attend.cache()
+
+
+def _step_slots(page_tables: jax.Array, positions: jax.Array, live: jax.Array,
+                page_size: int) -> jax.Array:  # [R, P], [R], [R] -> [R]
+    logical = positions // page_size
+    in_table = logical < page_tables.shape[1]
+    rows = jnp.arange(page_tables.shape[0])
+    page = page_tables[rows, jnp.minimum(logical, page_tables.shape[1] - 1)]
+    ok = live & in_table
+    return jnp.where(ok, page * page_size + positions % page_size, NULL_PAGE * page_size)
+
+
+@dataclass(frozen=True)
+class _FirstDraft:
+    token: jax.Array  # [R] int32
+    probs: jax.Array | None  # [R, V]
+    hidden: jax.Array  # [R, H]
+    position: jax.Array  # [R] int32, 0 for requests without drafts
+
+
+jax.tree_util.register_dataclass(_FirstDraft, data_fields=["token", "probs", "hidden", "position"],
+                                 meta_fields=[])
+
+
+@partial(jax.jit, static_argnames=("window",), donate_argnums=(1,))
+def _propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+                   batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
+                   num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
+                   ) -> tuple[_FirstDraft, DraftKVCache]:
+    """The pass over the step's token rows and the first draft token (jitted per (T, R))."""
+    head, target = head_state.module(), target_state.module()
+    hidden, pos, cache = _first_pass(head, target, cache, batch, features, out_tokens,
+                                     num_out, window)
+    token, probs = _draw(head.logits(hidden, target), jnp.asarray(batch.temperature),
+                         None if noise is None else noise[0], head_state.d2t,
+                         head.config.vocab_size)
+    pos = jnp.where(jnp.asarray(batch.propose), pos, 0)
+    return _FirstDraft(token, probs, hidden, pos), cache
+
+
+@partial(jax.jit, static_argnames=("num_steps", "window"), donate_argnums=(1,))
+def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+                  page_tables: jax.Array, live: jax.Array, temperature: jax.Array,
+                  first: _FirstDraft, noise: jax.Array | None, *, num_steps: int,
+                  window: AttentionWindow) -> tuple[jax.Array, jax.Array | None, DraftKVCache]:
+    """Draft tokens 2..k, one position per step (jitted per R only)."""
+    # page_tables: [R, P], live: [R] bool, temperature: [R], noise: [k, R, Vd] or None
+    head, target = head_state.module(), target_state.module()
+    config, d2t = head.config, head_state.d2t
+    rows = jnp.arange(page_tables.shape[0])
+
+    def body(carry: tuple[Any, ...], step_noise: jax.Array | None) -> tuple[tuple[Any, ...],
+                                                                          tuple[Any, ...]]:
+        keys, values, hidden, token, pos = carry
+        pos = jnp.where(live, pos + 1, 0)
+        metadata = AttentionMetadata(pos, rows, page_tables, jnp.asarray(rows.shape[0]))
+        slots = _step_slots(page_tables, pos, live, cache.page_size)
+        attend = _PagedAttend(DraftKVCache(keys, values), metadata, slots, config, window)
+        rope = rope_cos_sin(config.rope, config.head_dim, pos, pos + 1)
+        hidden = head.step(hidden, head.embed(token, target), rope, attend)
+        token, probs = _draw(head.logits(hidden, target), temperature, step_noise, d2t,
+                             config.vocab_size)
+        new = attend.cache()
+        return (new.keys, new.values, hidden, token, pos), (token, probs)
+
+    xs = None if noise is None else noise[1:]
+    init = (cache.keys, cache.values, first.hidden, first.token, first.position)
+    final, (more_tokens, more_probs) = lax.scan(body, init, xs, length=num_steps)
+    drafts = jnp.concatenate([first.token[:, None], more_tokens.T], axis=1)
+    all_probs = None
+    if first.probs is not None and more_probs is not None:
+        all_probs = jnp.concatenate([first.probs[:, None], jnp.swapaxes(more_probs, 0, 1)],
+                                    axis=1)
+    return drafts, all_probs, DraftKVCache(final[0], final[1])
+
+
+def propose(
+    head_state: EagleState,
+    cache: DraftKVCache,
+    target_state: ModelState,
+    batch: DraftBatch,
+    features: jax.Array,  # [T, F] target features (final hidden, or fused aux layers)
+    out_tokens: jax.Array,  # [R, S] int32: tokens emitted this step
+    num_out: jax.Array,  # [R] int32: how many of them are real
+    noise: jax.Array | None,  # [k, R, draft_vocab] Gumbel noise, None when all greedy
+    *,
+    num_drafts: int,
+    window: AttentionWindow,
+) -> tuple[jax.Array, jax.Array | None, DraftKVCache]:
+    """(drafts [R, k] target ids, their distributions [R, k, V] or None, updated cache).
+
+    The cache is donated: use only the returned one afterwards.
+    """
+    first, cache = _propose_first(head_state, cache, target_state, batch, features, out_tokens,
+                                  num_out, noise, window=window)
+    if num_drafts == 1:
+        return first.token[:, None], None if first.probs is None else first.probs[:, None], cache
+    return _propose_rest(head_state, cache, target_state, batch.page_tables, batch.propose,
+                         batch.temperature, first, noise, num_steps=num_drafts - 1,
+                         window=window)
