@@ -124,8 +124,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
                 _fail(name, value, f"None or an int in [0, {_MAX_LOGPROBS}]")
-        if self.n > 1 and self.seed is not None and self.temperature == 0:
-            pass  # greedy samples are identical; allowed, as in vLLM
 
     def _check_tokens(self) -> None:
         if self.logit_bias is None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -248,9 +247,3 @@ class eSurgeRunner:
         """Every sampler variant a batch can need (compiled at warm-up)."""
         return [SamplerVariant(greedy, dense, logprobs) for greedy in (True, False)
                 for dense in (False, True) for logprobs in (False, True)]
-
-    def timed_dummy_step(self) -> float:
-        """Seconds of one all-padding step at the smallest bucket (for diagnostics)."""
-        start = time.perf_counter()
-        warm_up(self, None, shapes=[self.buckets.shapes()[0]], variants=[])
-        return time.perf_counter() - start
