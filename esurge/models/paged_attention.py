@@ -34,7 +34,7 @@ __all__ = [
     "paged_attention", "write_kv",
 ]
 
-MAX_BLOCK_PAGES = 8
+MAX_BLOCK_PAGES = 4  # 4 pages of keys per token stay cache-resident on CPU; 8 ran ~10% slower
 GATHER_BUDGET_BYTES = 64 * 1024 * 1024
 _MASKED = -1e30
 

@@ -113,7 +113,7 @@ def test_mismatched_heads_are_refused() -> None:
         paged_attention(jnp.zeros((2, 4, DIM)), cache, cache, metadata, scale=1.0)
 
 
-@pytest.mark.parametrize(("num_tokens", "expected"), [(16, 8), (256, 8), (512, 4), (1024, 2),
+@pytest.mark.parametrize(("num_tokens", "expected"), [(16, 4), (256, 4), (512, 4), (1024, 2),
                                                       (4096, 1)])
 def test_block_size_shrinks_for_large_token_buckets(num_tokens: int, expected: int) -> None:
     # One page of bf16 K for 16 tokens x 8 heads x 128 dims is 32 KiB per query token.
