@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["MODEL_SHAPES", "make_checkpoint", "median_of", "workload_w1"]
+__all__ = ["MODEL_SHAPES", "make_checkpoint", "timed", "workload_w1"]
 
 # (hidden, layers, heads, kv_heads, intermediate)
 MODEL_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -57,12 +56,6 @@ def workload_w1(tokenizer_dir: Path, num_sets: int, per_set: int = 32, seed: int
         raise ValueError("not enough standard-library text for the workload")
     prompts = [ids[s:s + n] for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
     return [prompts[i * per_set:(i + 1) * per_set] for i in range(num_sets)]
-
-
-def median_of(runs: int, fn: Callable[[], float]) -> tuple[float, list[float]]:
-    """Median and all values of fn() over runs."""
-    values = [fn() for _ in range(runs)]
-    return statistics.median(values), values
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -13,6 +13,7 @@ of it the engine reaches.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -46,8 +47,7 @@ def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[f
             rates.append(len(prompts) * NEW_TOKENS / seconds)
     finally:
         llm.shutdown()
-    rates.sort()
-    return rates[len(rates) // 2], rates, compile_s
+    return statistics.median(rates), rates, compile_s
 
 
 def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float, list[float]]:
@@ -66,8 +66,8 @@ def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float
                            do_sample=False, pad_token_id=0)
 
     run(sets[0][:4])
-    rates = sorted(len(p) * NEW_TOKENS / timed(lambda p=p: run(p)) for p in sets[1:])
-    return rates[len(rates) // 2], rates
+    rates = [len(p) * NEW_TOKENS / timed(lambda p=p: run(p)) for p in sets[1:]]
+    return statistics.median(rates), rates
 
 
 def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["ModelRunnerOutput", "TokenLogprobs"]
@@ -19,6 +20,14 @@ class TokenLogprobs:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     rank: int
+
+    @classmethod
+    def from_row(cls, token_ids: Sequence[int], logprobs: Sequence[float], rank: int,
+                 top_n: int) -> TokenLogprobs:
+        """The chosen token and its top_n alternatives from one row of the
+        device arrays ([1 + MAX_LOGPROBS] ids and log-probabilities)."""
+        return cls(tuple(int(t) for t in token_ids[:1 + top_n]),
+                   tuple(float(x) for x in logprobs[:1 + top_n]), int(rank))
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs) or not self.token_ids:

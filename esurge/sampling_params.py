@@ -145,15 +145,6 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0
 
-    def max_token_id(self) -> int:
-        """Largest token id this object names (-1 if none), to check against a vocabulary."""
-        ids: list[int] = list(self.stop_token_ids)
-        ids.extend(self.allowed_token_ids or ())
-        ids.extend((self.logit_bias or {}).keys())
-        for word in self.bad_words_token_ids:
-            ids.extend(word)
-        return max(ids, default=-1)
-
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError when a token id named here is outside the vocabulary."""
         checks: list[tuple[str, tuple[int, ...]]] = [

@@ -12,7 +12,6 @@ outside its window really frees memory for the other groups: the cache costs
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,10 +55,6 @@ class FullAttentionSpec:
         """Bytes of K and V for one page of one layer."""
         return 2 * self.page_size * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
 
-    def max_live_tokens(self, num_tokens: int) -> int:
-        """Tokens whose KV must stay resident when the sequence is num_tokens long."""
-        return num_tokens
-
     def first_needed_token(self, num_computed_tokens: int) -> int:
         """Earliest position a query at num_computed_tokens (or later) can attend to."""
         return 0
@@ -74,9 +69,6 @@ class SlidingWindowSpec(FullAttentionSpec):
     def __post_init__(self) -> None:
         FullAttentionSpec.__post_init__(self)
         _positive("sliding_window", self.sliding_window)
-
-    def max_live_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.sliding_window)
 
     def first_needed_token(self, num_computed_tokens: int) -> int:
         # The next query sits at position num_computed_tokens and sees
@@ -93,9 +85,6 @@ class ChunkedLocalAttentionSpec(FullAttentionSpec):
     def __post_init__(self) -> None:
         FullAttentionSpec.__post_init__(self)
         _positive("attention_chunk_size", self.attention_chunk_size)
-
-    def max_live_tokens(self, num_tokens: int) -> int:
-        return min(num_tokens, self.attention_chunk_size)
 
     def first_needed_token(self, num_computed_tokens: int) -> int:
         chunk = self.attention_chunk_size
@@ -172,11 +161,6 @@ class CacheGroupsConfig:
         """Device bytes one page id costs across all slots."""
         return max(g.spec.page_bytes for g in self.groups) * self.group_size
 
-    @property
-    def total_bytes(self) -> int:
-        """Device bytes of the whole cache."""
-        return self.bytes_per_page * self.num_pages
-
 
 def _attr(config: Any, name: str) -> Any:
     return getattr(config, name, None)
@@ -249,8 +233,3 @@ def cache_groups_from_hf_config(
     """The cache groups of a Hugging Face model config over a pool of num_pages."""
     specs = layer_specs_from_hf_config(hf_config, page_size, dtype)
     return CacheGroupsConfig(num_pages=num_pages, groups=tuple(group_layer_specs(specs)))
-
-
-def pages_for_tokens(num_tokens: int, page_size: int) -> int:
-    """Pages needed to hold num_tokens tokens."""
-    return math.ceil(num_tokens / page_size)

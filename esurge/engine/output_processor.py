@@ -86,14 +86,6 @@ class OutputProcessor:
         """True while the request is in flight."""
         return request_id in self._parents
 
-    def child_ids(self, request_id: str) -> list[str]:
-        """Engine ids of a parent's unfinished samples."""
-        parent = self._parents.get(request_id)
-        if parent is None:
-            return []
-        return [cid for cid, s in self._samples.items()
-                if s.parent is parent and not s.completion.finished]
-
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Apply one step's outputs; each touched parent appears once in the result."""
         result = ProcessedOutputs()

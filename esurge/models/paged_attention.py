@@ -23,6 +23,7 @@ NaN, and nothing it writes can poison the null page.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -126,54 +127,32 @@ def _block_range(
     return jnp.minimum(start, end), end
 
 
-def _online_softmax_step(
-    carry: tuple[jax.Array, ...],  # max, denominator [N, kv, tile, g]; sum [N, kv, tile, g, D]
-    qt: jax.Array,  # [N * kv_heads, tile * group, head_dim]
-    k: jax.Array,  # [N * kv_heads, B, head_dim]
-    v: jax.Array,  # [N * kv_heads, B, head_dim]
-    mask: jax.Array,  # [N, tile, B] bool
-    scale: float,
-    softcap: float | None,
-) -> tuple[jax.Array, ...]:
-    """Fold one block of keys into the running softmax statistics of N query tiles."""
+Carry = tuple[jax.Array, jax.Array, jax.Array]  # running max, denominator, weighted sum
+
+
+def _fold(carry: Carry, s: jax.Array, visible: jax.Array, softcap: float | None,
+          weigh: Callable[[jax.Array], jax.Array]) -> Carry:
+    """Fold one block of scores s [..., B] into the running softmax statistics.
+
+    weigh(p) -> the block's probability-weighted values [..., D].
+    """
     m, denom, acc = carry
-    tiles, kv_heads, tile, group, head_dim = acc.shape
-    s = lax.dot_general(qt, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    s = s.reshape(tiles, kv_heads, tile, group, -1) * scale
     if softcap is not None:
         s = jnp.tanh(s / softcap) * softcap
-    visible = mask[:, None, :, None, :]
     s = jnp.where(visible, s, _MASKED)
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-    pv = lax.dot_general(p.astype(v.dtype).reshape(tiles * kv_heads, tile * group, -1), v,
-                         (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    pv = pv.reshape(tiles, kv_heads, tile, group, head_dim)
-    return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
+    return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + weigh(p)
 
 
-def _row_softmax_step(
-    carry: tuple[jax.Array, ...],  # running max, denominator [T, kv, g]; output sum [T, kv, g, D]
-    qg: jax.Array,  # [T, kv_heads, group, head_dim]
-    k: jax.Array,  # [T, B, kv_heads, head_dim]
-    v: jax.Array,  # [T, B, kv_heads, head_dim]
-    mask: jax.Array,  # [T, B] bool
-    scale: float,
-    softcap: float | None,
-) -> tuple[jax.Array, ...]:
-    """Fold one block of keys into the running softmax statistics (one row per query)."""
-    m, denom, acc = carry
-    s = jnp.einsum("tkgd,tbkd->tkgb", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        s = jnp.tanh(s / softcap) * softcap
-    visible = mask[:, None, None]
-    s = jnp.where(visible, s, _MASKED)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
-    pv = jnp.einsum("tkgb,tbkd->tkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, denom * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
+def _run_blocks(step: Callable[[jax.Array, Carry], Carry], stats_shape: tuple[int, ...],
+                head_dim: int, start: jax.Array, end: jax.Array) -> jax.Array:
+    """Run step over page blocks [start, end); the normalised output [*stats_shape, D]."""
+    init = (jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros((*stats_shape, head_dim), jnp.float32))
+    _, denom, acc = lax.fori_loop(start, end, step, init)
+    return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def block_pages_for(num_tokens: int, k_cache_shape: tuple[int, ...], itemsize: int) -> int:
@@ -182,109 +161,6 @@ def block_pages_for(num_tokens: int, k_cache_shape: tuple[int, ...], itemsize: i
     _, page_size, kv_heads, head_dim = k_cache_shape
     per_page = num_tokens * page_size * kv_heads * head_dim * itemsize
     return max(1, min(MAX_BLOCK_PAGES, GATHER_BUDGET_BYTES // max(per_page, 1)))
-
-
-def _attend_rows(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, metadata: AttentionMetadata,
-    tables: jax.Array, block_pages: int, num_blocks: int, scale: float,
-    sliding_window: int | None, chunk_size: int | None, softcap: float | None,
-) -> jax.Array:  # [T, kv, g, D]
-    """Every row gathers its own request's pages (decode steps: one row per request)."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_cache.shape
-    group = num_heads // kv_heads
-    block_tokens = block_pages * page_size
-    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
-
-    def step(block: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        pages = lax.dynamic_slice_in_dim(tables, block * block_pages, block_pages, axis=1)
-        token_pages = pages[metadata.token_req]  # [T, block_pages]
-        k = k_cache[token_pages].reshape(num_tokens, block_tokens, kv_heads, head_dim)
-        v = v_cache[token_pages].reshape(num_tokens, block_tokens, kv_heads, head_dim)
-        key_pos = block * block_tokens + jnp.arange(block_tokens)
-        mask = _visible(key_pos, metadata.positions, sliding_window, chunk_size)
-        return _row_softmax_step(carry, qg, k, v, mask, scale, softcap)
-
-    stats_shape = (num_tokens, kv_heads, group)
-    init = (
-        jnp.full(stats_shape, _MASKED, jnp.float32),
-        jnp.zeros(stats_shape, jnp.float32),
-        jnp.zeros((*stats_shape, head_dim), jnp.float32),
-    )
-    start, end = _block_range(metadata, block_tokens, num_blocks, sliding_window, chunk_size)
-    _, denom, acc = lax.fori_loop(start, end, step, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out
-
-
-def _paged_attention(
-    q: jax.Array,  # [T, num_heads, head_dim]
-    k_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
-    v_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
-    metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    chunk_size: int | None = None,
-    softcap: float | None = None,
-    block_pages: int | None = None,
-) -> jax.Array:  # [T, num_heads, head_dim]
-    """Causal attention of each token over its request's paged keys and values.
-
-    block_pages: pages per online-softmax step; None picks block_pages_for.
-    """
-    num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
-    if block_pages is None:
-        block_pages = block_pages_for(num_tokens // max(metadata.query_tile, 1), k_cache.shape,
-                                      k_cache.dtype.itemsize)
-    if block_pages < 1:
-        raise ValueError(f"block_pages must be >= 1, got {block_pages}")
-    group = num_heads // kv_heads
-    max_pages = metadata.page_tables.shape[1]
-    block_pages = min(block_pages, max_pages)
-    num_blocks = -(-max_pages // block_pages)
-    tables = jnp.pad(metadata.page_tables, ((0, 0), (0, num_blocks * block_pages - max_pages)))
-    block_tokens = block_pages * page_size
-    tile = metadata.query_tile
-    if tile < 1 or num_tokens % tile:
-        raise ValueError(f"query_tile {tile} must be >= 1 and divide the {num_tokens} rows")
-    if tile == 1:
-        out = _attend_rows(q, k_cache, v_cache, metadata, tables, block_pages, num_blocks, scale,
-                           sliding_window, chunk_size, softcap)
-        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
-    tiles = num_tokens // tile
-    tile_req = metadata.token_req.reshape(tiles, tile)[:, 0]  # [N]
-    # [T, H, D] -> [N * kv, tile * group, D]: one matmul batch per (tile, kv head).
-    qt = q.reshape(tiles, tile, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    qt = qt.reshape(tiles * kv_heads, tile * group, head_dim)
-
-    def gather(cache: jax.Array, pages: jax.Array) -> jax.Array:  # -> [N * kv, B, D]
-        block = cache[pages].reshape(tiles, block_tokens, kv_heads, head_dim)
-        return block.transpose(0, 2, 1, 3).reshape(tiles * kv_heads, block_tokens, head_dim)
-
-    def step(block: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        pages = lax.dynamic_slice_in_dim(tables, block * block_pages, block_pages, axis=1)
-        tile_pages = pages[tile_req]  # [N, block_pages]
-        key_pos = block * block_tokens + jnp.arange(block_tokens)
-        mask = _visible(key_pos, metadata.positions, sliding_window, chunk_size)
-        return _online_softmax_step(carry, qt, gather(k_cache, tile_pages),
-                                    gather(v_cache, tile_pages),
-                                    mask.reshape(tiles, tile, block_tokens), scale, softcap)
-
-    stats_shape = (tiles, kv_heads, tile, group)
-    init = (
-        jnp.full(stats_shape, _MASKED, jnp.float32),
-        jnp.zeros(stats_shape, jnp.float32),
-        jnp.zeros((*stats_shape, head_dim), jnp.float32),
-    )
-    start, end = _block_range(metadata, block_tokens, num_blocks, sliding_window, chunk_size)
-    _, denom, acc = lax.fori_loop(start, end, step, init)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [N, kv, tile, g, D]
-    out = out.transpose(0, 2, 1, 3, 4)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
 def paged_attention(
@@ -304,12 +180,116 @@ def paged_attention(
     block_pages: pages per online-softmax step; None picks block_pages_for.
     """
     rows, back = metadata.tile_rows, metadata.row_in_tiles
-    if rows is not None and back is not None:
-        metadata = AttentionMetadata(metadata.positions[rows], metadata.token_req[rows],
-                                     metadata.page_tables, jnp.int32(rows.shape[0]),
-                                     query_tile=metadata.query_tile)
-        q = q[rows]
-    out = _paged_attention(q, k_cache, v_cache, metadata, scale=scale,
-                           sliding_window=sliding_window, chunk_size=chunk_size,
-                           softcap=softcap, block_pages=block_pages)
-    return out if back is None else out[back]
+    if rows is not None and back is not None:  # regroup into tiles, attend, then bring back
+        tiled = AttentionMetadata(metadata.positions[rows], metadata.token_req[rows],
+                                  metadata.page_tables, jnp.int32(rows.shape[0]),
+                                  query_tile=metadata.query_tile)
+        return paged_attention(q[rows], k_cache, v_cache, tiled, scale=scale,
+                               sliding_window=sliding_window, chunk_size=chunk_size,
+                               softcap=softcap, block_pages=block_pages)[back]
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_cache.shape
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
+    tile = metadata.query_tile
+    if tile < 1 or num_tokens % tile:
+        raise ValueError(f"query_tile {tile} must be >= 1 and divide the {num_tokens} rows")
+    if block_pages is None:
+        block_pages = block_pages_for(num_tokens // tile, k_cache.shape, k_cache.dtype.itemsize)
+    if block_pages < 1:
+        raise ValueError(f"block_pages must be >= 1, got {block_pages}")
+    max_pages = metadata.page_tables.shape[1]
+    block_pages = min(block_pages, max_pages)
+    num_blocks = -(-max_pages // block_pages)
+    tables = jnp.pad(metadata.page_tables, ((0, 0), (0, num_blocks * block_pages - max_pages)))
+    block_tokens = block_pages * page_size
+    start, end = _block_range(metadata, block_tokens, num_blocks, sliding_window, chunk_size)
+    blocks = _Blocks(tables, block_pages, block_tokens, start, end)
+    attend = _attend_rows if tile == 1 else _attend_tiles
+    out = attend(q, k_cache, v_cache, metadata, blocks, scale, sliding_window, chunk_size,
+                 softcap)
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """The page blocks one attention call walks."""
+
+    tables: jax.Array  # [R, num_blocks * block_pages] int32, padded page tables
+    block_pages: int
+    block_tokens: int
+    start: jax.Array  # [] first block any real row can see
+    end: jax.Array  # [] one past the last such block
+
+    def pages(self, block: jax.Array, req: jax.Array) -> jax.Array:  # [len(req), block_pages]
+        return lax.dynamic_slice_in_dim(self.tables, block * self.block_pages, self.block_pages,
+                                        axis=1)[req]
+
+    def key_positions(self, block: jax.Array) -> jax.Array:  # [block_tokens]
+        return block * self.block_tokens + jnp.arange(self.block_tokens)
+
+
+def _attend_rows(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                 metadata: AttentionMetadata, blocks: _Blocks, scale: float,
+                 sliding_window: int | None, chunk_size: int | None,
+                 softcap: float | None) -> jax.Array:  # [T, kv, g, D]
+    """Every row gathers its own request's pages: the cheapest form for decode rows
+    (one per request), where einsums over [T, kv] beat a reshaped batched matmul."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    qg = q.reshape(num_tokens, kv_heads, group, head_dim)
+
+    def gather(cache: jax.Array, pages: jax.Array) -> jax.Array:  # -> [T, B, kv, D]
+        return cache[pages].reshape(num_tokens, blocks.block_tokens, kv_heads, head_dim)
+
+    def step(block: jax.Array, carry: Carry) -> Carry:
+        pages = blocks.pages(block, metadata.token_req)
+        k, v = gather(k_cache, pages), gather(v_cache, pages)
+        mask = _visible(blocks.key_positions(block), metadata.positions, sliding_window,
+                        chunk_size)
+        s = jnp.einsum("tkgd,tbkd->tkgb", qg, k, preferred_element_type=jnp.float32) * scale
+        return _fold(carry, s, mask[:, None, None], softcap,
+                     lambda p: jnp.einsum("tkgb,tbkd->tkgd", p.astype(v.dtype), v,
+                                          preferred_element_type=jnp.float32))
+
+    return _run_blocks(step, (num_tokens, kv_heads, group), head_dim, blocks.start, blocks.end)
+
+
+def _attend_tiles(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                  metadata: AttentionMetadata, blocks: _Blocks, scale: float,
+                  sliding_window: int | None, chunk_size: int | None,
+                  softcap: float | None) -> jax.Array:  # [T, kv, g, D]
+    """Rows come in tiles of one request: each tile gathers its pages once and
+    runs one matmul batch per (tile, kv head)."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group, tile = num_heads // kv_heads, metadata.query_tile
+    tiles, width = num_tokens // tile, blocks.block_tokens
+    tile_req = metadata.token_req.reshape(tiles, tile)[:, 0]  # [N]
+    qt = q.reshape(tiles, tile, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qt = qt.reshape(tiles * kv_heads, tile * group, head_dim)
+
+    def gather(cache: jax.Array, pages: jax.Array) -> jax.Array:  # -> [N * kv, B, D]
+        block = cache[pages].reshape(tiles, width, kv_heads, head_dim)
+        return block.transpose(0, 2, 1, 3).reshape(tiles * kv_heads, width, head_dim)
+
+    def step(block: jax.Array, carry: Carry) -> Carry:
+        pages = blocks.pages(block, tile_req)
+        k, v = gather(k_cache, pages), gather(v_cache, pages)
+        mask = _visible(blocks.key_positions(block), metadata.positions, sliding_window,
+                        chunk_size).reshape(tiles, tile, width)
+        s = lax.dot_general(qt, k, (((2,), (2,)), ((0,), (0,))),
+                            preferred_element_type=jnp.float32)
+        s = s.reshape(tiles, kv_heads, tile, group, width) * scale
+
+        def weigh(p: jax.Array) -> jax.Array:
+            pv = lax.dot_general(p.astype(v.dtype).reshape(tiles * kv_heads, tile * group, width),
+                                 v, (((2,), (1,)), ((0,), (0,))),
+                                 preferred_element_type=jnp.float32)
+            return pv.reshape(tiles, kv_heads, tile, group, head_dim)
+
+        return _fold(carry, s, mask[:, None, :, None, :], softcap, weigh)
+
+    out = _run_blocks(step, (tiles, kv_heads, tile, group), head_dim, blocks.start, blocks.end)
+    return out.transpose(0, 2, 1, 3, 4)  # [N, tile, kv, g, D]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward
 from esurge.models.kv_cache import KVCache
+from esurge.runner.sampler import token_logprobs
 
 __all__ = ["model_step", "model_step_features", "pad_tokens", "prompt_logprobs_step"]
 
@@ -71,10 +72,4 @@ def prompt_logprobs_step(
     top_n: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of prompt tokens: (ids [T, 1 + n], logprobs [T, 1 + n], ranks [T])."""
-    logits = model_state.module().compute_logits(hidden[rows])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logp, targets[:, None], axis=-1)
-    ranks = (logp > chosen).sum(axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(logp, min(top_n, logp.shape[-1]))
-    ids = jnp.concatenate([targets[:, None], top_ids.astype(jnp.int32)], axis=-1)
-    return ids, jnp.concatenate([chosen, top_lp], axis=-1), ranks
+    return token_logprobs(model_state.module().compute_logits(hidden[rows]), targets, top_n)

@@ -73,7 +73,6 @@ class PromptLogprobsComputer:
             n = ib.params[ib.row_of[req_id]].prompt_logprobs or 0
             entries: list[TokenLogprobs | None] = [None] if lead_none else []
             for k in range(first, first + count):
-                entries.append(TokenLogprobs(tuple(ids[k, :1 + n].tolist()),
-                                             tuple(lps[k, :1 + n].tolist()), int(ranks[k])))
+                entries.append(TokenLogprobs.from_row(ids[k], lps[k], ranks[k], n))
             out[req_id] = entries
         return out

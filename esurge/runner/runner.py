@@ -105,7 +105,6 @@ class eSurgeRunner:
                                  "async_scheduling=False (eSurge does this for you)")
             self.spec = SpecDecoder(model, config.speculative_config, self.cache_groups.groups,
                                     self.num_pages, self.page_size, self.max_rows)
-        self.compiled = False
 
     @property
     def spec_stats(self) -> SpecStatsSnapshot | None:
@@ -130,9 +129,7 @@ class eSurgeRunner:
 
     def warmup(self, progress: WarmupProgress | None = None) -> float:
         """Compile every bucket now; returns the seconds it took."""
-        seconds = warm_up(self, progress)
-        self.compiled = True
-        return seconds
+        return warm_up(self, progress)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step synchronously."""
@@ -235,12 +232,11 @@ class eSurgeRunner:
         wanted = self.input_batch.sampling.num_logprobs
         out: list[list[TokenLogprobs] | None] = []
         for i in range(len(inputs.req_ids)):
-            n = int(wanted[inputs.rows[i]]) if i < len(inputs.rows) else -1
+            n = int(wanted[inputs.rows[i]])
             if n < 0 or not inputs.samples[i]:
                 out.append(None)
                 continue
-            out.append([TokenLogprobs(tuple(ids[i, :1 + n].tolist()),
-                                      tuple(lps[i, :1 + n].tolist()), int(ranks[i]))])
+            out.append([TokenLogprobs.from_row(ids[i], lps[i], ranks[i], n)])
         return out
 
     def sampler_variants(self) -> list[SamplerVariant]:

@@ -73,8 +73,8 @@ class SamplerOutput:
     ranks: jax.Array | None = None  # [R] int32, 1-based rank of the sampled token
 
 
-def _apply_dense(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    # logits: [R, V]
+def apply_dense(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Penalties, then the additive bias/mask.  logits: [R, V]."""
     if (t.additive is None or t.output_counts is None or t.seen_mask is None
             or t.presence_penalty is None or t.frequency_penalty is None
             or t.repetition_penalty is None):
@@ -88,8 +88,8 @@ def _apply_dense(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits + t.additive
 
 
-def _apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    # logits: [R, V], already divided by temperature
+def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """min-p, top-k and top-p.  logits: [R, V], already divided by temperature."""
     vocab = logits.shape[-1]
     probs = jax.nn.softmax(logits, axis=-1)
     max_prob = probs.max(axis=-1, keepdims=True)
@@ -134,29 +134,25 @@ def gumbel_noise(seeds: Array, positions: Array, vocab: int) -> jax.Array:
     return -jnp.log(-jnp.log(uniform_noise(seeds, positions, vocab)))
 
 
-_gumbel = gumbel_noise
+def token_logprobs(raw: jax.Array, tokens: jax.Array, top_n: int = MAX_LOGPROBS
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(ids [N, 1 + n], logprobs [N, 1 + n], ranks [N]) of the chosen tokens and the top n.
 
-
-def _logprobs(raw: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    # raw: [R, V] model logits, tokens: [R]
+    raw: [N, V] model logits, tokens: [N]. A vocabulary smaller than top_n has
+    only that many alternatives.
+    """
     logp = jax.nn.log_softmax(raw.astype(jnp.float32), axis=-1)
-    # A vocabulary smaller than MAX_LOGPROBS has only that many alternatives.
-    top_lp, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    top_lp, top_ids = jax.lax.top_k(logp, min(top_n, logp.shape[-1]))
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)
     ranks = (logp > chosen).sum(axis=-1).astype(jnp.int32) + 1
     ids = jnp.concatenate([tokens[:, None], top_ids.astype(jnp.int32)], axis=-1)
     return ids, jnp.concatenate([chosen, top_lp], axis=-1), ranks
 
 
-apply_dense = _apply_dense
-apply_filters = _apply_filters
-token_logprobs = _logprobs
-
-
 def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
     """Pick one token per row.  logits: [R, V] -> SamplerOutput with token_ids [R]."""
     raw = logits.astype(jnp.float32)
-    processed = _apply_dense(raw, tensors) if variant.dense else raw
+    processed = apply_dense(raw, tensors) if variant.dense else raw
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if variant.all_greedy:
         tokens = greedy_tokens
@@ -164,13 +160,13 @@ def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant)
         is_greedy = tensors.temperature <= 0.0
         temp = jnp.where(is_greedy, 1.0, tensors.temperature)[:, None]
         scaled = processed / temp
-        scaled = _apply_filters(scaled, tensors)
-        noise = _gumbel(tensors.seeds, tensors.positions, scaled.shape[-1])
+        scaled = apply_filters(scaled, tensors)
+        noise = gumbel_noise(tensors.seeds, tensors.positions, scaled.shape[-1])
         sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
         tokens = jnp.where(is_greedy, greedy_tokens, sampled)
     if not variant.logprobs:
         return SamplerOutput(token_ids=tokens)
-    ids, lps, ranks = _logprobs(raw, tokens)
+    ids, lps, ranks = token_logprobs(raw, tokens)
     return SamplerOutput(token_ids=tokens, logprob_token_ids=ids, logprobs=lps, ranks=ranks)
 
 

@@ -250,7 +250,6 @@ class SpecDecoder:
             if n < 0 or not inputs.samples[i]:
                 out.append(None)
                 continue
-            out.append([TokenLogprobs(tuple(ids[i, j, :1 + n].tolist()),
-                                      tuple(lps[i, j, :1 + n].tolist()), int(ranks[i, j]))
+            out.append([TokenLogprobs.from_row(ids[i, j], lps[i, j], ranks[i, j], n)
                         for j in range(int(num_out[i]))])
         return out

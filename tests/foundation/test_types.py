@@ -56,7 +56,6 @@ def test_sampling_rejects(kwargs: dict[str, object], field: str) -> None:
 def test_sampling_normalises_sequences() -> None:
     p = SamplingParams(stop="END", stop_token_ids=[3, 4], logit_bias={"7": 2})  # type: ignore[arg-type,dict-item]
     assert p.stop == ("END",) and p.stop_token_ids == (3, 4) and p.logit_bias == {7: 2.0}
-    assert p.max_token_id() == 7
 
 
 def test_validate_for_vocab_names_field() -> None:
