@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
-from esurge.models.paged_attention import AttentionMetadata, paged_attention, write_kv
+from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.rope import apply_rope
 
 __all__ = [
@@ -130,10 +130,10 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, slot_mapping)
-        out = paged_attention(
-            q, k_cache, v_cache, metadata, scale=self.scale, sliding_window=self.sliding_window,
-            chunk_size=self.chunk_size, softcap=self.softcap, block_pages=block_pages,
+        out, k_cache, v_cache = write_and_attend(
+            q, k, v, kv[0], kv[1], slot_mapping, metadata, scale=self.scale,
+            sliding_window=self.sliding_window, chunk_size=self.chunk_size,
+            softcap=self.softcap, block_pages=block_pages,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
 

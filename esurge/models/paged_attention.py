@@ -23,6 +23,7 @@ NaN, and nothing it writes can poison the null page.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,14 +31,35 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from esurge.models.cpu_kernels import kernel_available, paged_attention_kernel
+
 __all__ = [
-    "GATHER_BUDGET_BYTES", "MAX_BLOCK_PAGES", "AttentionMetadata", "block_pages_for",
-    "paged_attention", "write_kv",
+    "GATHER_BUDGET_BYTES", "MAX_BLOCK_PAGES", "AttentionBackend", "AttentionMetadata",
+    "block_pages_for", "paged_attention", "write_and_attend", "write_kv",
 ]
 
 MAX_BLOCK_PAGES = 4  # 4 pages of keys per token stay cache-resident on CPU; 8 ran ~10% slower
 GATHER_BUDGET_BYTES = 64 * 1024 * 1024
 _MASKED = -1e30
+
+
+class AttentionBackend(enum.Enum):
+    """Which implementation computes paged attention."""
+
+    AUTO = "auto"  # the CPU kernel where it applies (XLA:CPU, float32, built), else XLA
+    XLA = "xla"  # the pure-JAX formulation below, on any platform
+    CPU_KERNEL = "cpu_kernel"  # esurge/models/cpu_kernels; ValueError where it cannot run
+
+
+def _use_kernel(backend: AttentionBackend, *arrays: jax.Array) -> bool:
+    if backend is AttentionBackend.XLA:
+        return False
+    fits = (jax.default_backend() == "cpu"
+            and all(a.dtype == jnp.float32 for a in arrays) and kernel_available())
+    if backend is AttentionBackend.CPU_KERNEL and not fits:
+        raise ValueError("the CPU paged-attention kernel needs the CPU platform, float32 "
+                         "queries and cache, and a C++ compiler to build it")
+    return fits
 
 
 @jax.tree_util.register_dataclass
@@ -175,7 +197,7 @@ def paged_attention(
     softcap: float | None = None,
     block_pages: int | None = None,
 ) -> jax.Array:  # [T, num_heads, head_dim]
-    """Causal attention of each token over its request's paged keys and values.
+    """Causal attention of each token over its request's paged keys and values (XLA).
 
     block_pages: pages per online-softmax step; None picks block_pages_for.
     """
@@ -209,6 +231,40 @@ def paged_attention(
     out = attend(q, k_cache, v_cache, metadata, blocks, scale, sliding_window, chunk_size,
                  softcap)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def write_and_attend(
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k: jax.Array,  # [T, kv_heads, head_dim]: this step's keys
+    v: jax.Array,  # [T, kv_heads, head_dim]: this step's values
+    k_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim]
+    slot_mapping: jax.Array,  # [T] int32
+    metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    block_pages: int | None = None,
+    backend: AttentionBackend = AttentionBackend.AUTO,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], k_cache, v_cache
+    """write_kv then paged_attention, by the backend chosen (see AttentionBackend).
+
+    Rows past metadata.num_tokens are padding: their output is unspecified.
+    """
+    if _use_kernel(backend, q, k, v, k_cache, v_cache):
+        # The kernel walks the flat rows; tiles only help the XLA formulation.
+        out, k_cache, v_cache = paged_attention_kernel(
+            q, k, v, slot_mapping, k_cache, v_cache, metadata.positions, metadata.token_req,
+            metadata.page_tables, metadata.num_tokens, scale=scale,
+            sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap)
+        return out, k_cache, v_cache
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
+    out = paged_attention(q, k_cache, v_cache, metadata, scale=scale,
+                          sliding_window=sliding_window, chunk_size=chunk_size,
+                          softcap=softcap, block_pages=block_pages)
+    return out, k_cache, v_cache
 
 
 @dataclass(frozen=True)

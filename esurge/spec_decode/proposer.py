@@ -29,7 +29,7 @@ from jax import lax
 
 from esurge.models.forward import ModelState
 from esurge.models.kv_cache import NULL_PAGE
-from esurge.models.paged_attention import AttentionMetadata, paged_attention, write_kv
+from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleHead, EagleState
@@ -103,11 +103,12 @@ class _PagedAttend:
         self.window = window
 
     def __call__(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        kc, vc = write_kv(self.keys[layer], self.values[layer], k, v, self.slots)
+        out, kc, vc = write_and_attend(q, k, v, self.keys[layer], self.values[layer],
+                                       self.slots, self.metadata, scale=self.scale,
+                                       sliding_window=self.window.sliding_window,
+                                       chunk_size=self.window.chunk_size)
         self.keys[layer], self.values[layer] = kc, vc
-        return paged_attention(q, kc, vc, self.metadata, scale=self.scale,
-                               sliding_window=self.window.sliding_window,
-                               chunk_size=self.window.chunk_size)
+        return out
 
     def cache(self) -> DraftKVCache:
         return DraftKVCache(tuple(self.keys), tuple(self.values))

@@ -1,0 +1,131 @@
+"""The CPU paged-attention kernel against the dense reference and the XLA path.
+
+The kernel writes the step's keys and values into the (donated) cache and
+attends in one FFI call; every check here compares it with the pure-JAX
+write_kv + paged_attention on the same inputs, and with dense attention.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from esurge.models import cpu_kernels
+from esurge.models.paged_attention import AttentionBackend, AttentionMetadata, write_and_attend
+from tests.models.test_paged_attention import (
+    DIM,
+    HEADS,
+    KV_HEADS,
+    NUM_PAGES,
+    PAGE,
+    build_case,
+    dense_reference,
+    fill_cache,
+)
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only kernel")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    # A machine without a compiler must still run everything else; here the
+    # kernel is the subject, so its absence is a failure, not a skip.
+    assert cpu_kernels.kernel_available(), "the CPU kernel failed to build (see the log)"
+
+
+def _run(backend: AttentionBackend, case: dict, k_cache: jax.Array, v_cache: jax.Array,
+         new_k: np.ndarray, new_v: np.ndarray, slots: np.ndarray, **mask: object
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    metadata = AttentionMetadata(jnp.asarray(case["positions"]), jnp.asarray(case["token_req"]),
+                                 jnp.asarray(case["tables"]), jnp.asarray(case["num_tokens"]))
+    step = jax.jit(functools.partial(write_and_attend, scale=DIM ** -0.5, backend=backend,
+                                     **mask), donate_argnums=(3, 4))
+    out, k_new, v_new = step(jnp.asarray(case["q"]), jnp.asarray(new_k), jnp.asarray(new_v),
+                             k_cache, v_cache, jnp.asarray(slots), metadata)
+    return np.asarray(out), np.asarray(k_new), np.asarray(v_new)
+
+
+@pytest.mark.parametrize(("window", "chunk", "softcap"), [
+    (None, None, None), (5, None, None), (None, 6, None), (None, None, 1.5), (9, None, 2.0),
+])
+def test_kernel_matches_xla_and_dense(window: int | None, chunk: int | None,
+                                      softcap: float | None) -> None:
+    case, keys, values = build_case(seed=11)
+    rng = np.random.default_rng(5)
+    num = int(case["num_tokens"])
+    t = case["q"].shape[0]
+    # This step's rows write their own key/value (the last `new` positions of
+    # each request); padding rows write into the null page, as the runner does.
+    new_k = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
+    new_v = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
+    slots = np.zeros(t, np.int32)
+    for row in range(num):
+        r, pos = case["token_req"][row], case["positions"][row]
+        slots[row] = case["tables"][r][pos // PAGE] * PAGE + pos % PAGE
+        keys[r][pos], values[r][pos] = new_k[row], new_v[row]
+    mask = {"sliding_window": window, "chunk_size": chunk, "softcap": softcap}
+    results = {}
+    for backend in (AttentionBackend.CPU_KERNEL, AttentionBackend.XLA):
+        k_cache, v_cache = fill_cache(case, keys, values)
+        results[backend] = _run(backend, case, k_cache, v_cache, new_k, new_v, slots, **mask)
+    kern, xla = results[AttentionBackend.CPU_KERNEL], results[AttentionBackend.XLA]
+    np.testing.assert_allclose(kern[0][:num], xla[0][:num], atol=2e-6)
+    np.testing.assert_array_equal(kern[1], xla[1])  # identical caches after the write
+    np.testing.assert_array_equal(kern[2], xla[2])
+    assert np.all(kern[0][num:] == 0.0)  # padding rows come back as zeros
+    for row in range(num):
+        r, pos = case["token_req"][row], case["positions"][row]
+        want = dense_reference(case["q"][row], keys[r], values[r], pos, window, chunk, softcap)
+        np.testing.assert_allclose(kern[0][row], want, atol=2e-5, err_msg=f"row {row}")
+
+
+def test_invalid_slots_and_pages_never_touch_memory_outside_the_pool() -> None:
+    case, keys, values = build_case(seed=3)
+    case = dict(case, tables=np.where(case["tables"] > 0, case["tables"], 10_000))
+    k_cache, v_cache = fill_cache(dict(case, tables=build_case(seed=3)[0]["tables"]), keys, values)
+    t = case["q"].shape[0]
+    zeros = np.zeros((t, KV_HEADS, DIM), np.float32)
+    slots = np.full(t, NUM_PAGES * PAGE + 5, np.int32)  # out of range: ignored
+    out, k_new, _ = _run(AttentionBackend.CPU_KERNEL, case, k_cache, v_cache, zeros, zeros,
+                         slots)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_array_equal(k_new, np.asarray(fill_cache(
+        dict(case, tables=build_case(seed=3)[0]["tables"]), keys, values)[0]))
+
+
+def test_explicit_kernel_backend_refuses_what_it_cannot_run() -> None:
+    metadata = AttentionMetadata(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
+                                 jnp.ones((1, 2), jnp.int32), jnp.int32(2))
+    cache = jnp.zeros((4, PAGE, KV_HEADS, DIM), jnp.bfloat16)
+    new = jnp.zeros((2, KV_HEADS, DIM), jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32 queries and cache"):
+        write_and_attend(jnp.zeros((2, HEADS, DIM), jnp.bfloat16), new, new, cache, cache,
+                         jnp.zeros(2, jnp.int32), metadata, scale=1.0,
+                         backend=AttentionBackend.CPU_KERNEL)
+
+
+def test_disabled_by_environment_uses_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ESURGE_CPU_KERNELS", "0")
+    assert cpu_kernels._load() is False
+
+
+def test_missing_compiler_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler-esurge")
+    monkeypatch.delenv("ESURGE_CPU_KERNELS", raising=False)
+    assert cpu_kernels._load() is False
+    assert "no C++ compiler found" in caplog.text
+
+
+def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ESURGE_KERNEL_CACHE", str(tmp_path))
+    cxx = cpu_kernels.shutil.which("c++")
+    assert cxx is not None
+    first = cpu_kernels._build(cxx)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels._build(cxx) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
