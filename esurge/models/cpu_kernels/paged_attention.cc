@@ -47,6 +47,35 @@ struct Problem {
   float scale, softcap;
 };
 
+constexpr int kQueryBlock = 16;  // rows of one request sharing each loaded key block
+constexpr int kKeyBlock = 16;    // keys per block: one 512-bit vector of scores
+
+// Sixteen scores as one GCC/Clang vector: the compiler maps it onto whatever
+// SIMD width -march=native offers, and the key block loop cannot be
+// vectorised the wrong way round (across head_dim, with strided loads).
+typedef float Scores __attribute__((vector_size(kKeyBlock * sizeof(float))));
+
+// exp for x <= 0 (softmax arguments), vectorisable, ~2 ulp: 2^n * e^f with
+// f in [-ln2/2, ln2/2] and a degree-6 polynomial. Below -87 it returns 0.
+inline float ExpNonPositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * f + 1.3981999507e-3f;
+  poly = poly * f + 8.3334519073e-3f;
+  poly = poly * f + 4.1665795894e-2f;
+  poly = poly * f + 1.6666665459e-1f;
+  poly = poly * f + 5.0000001201e-1f;
+  poly = poly * f * f + f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &poly, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float result;
+  std::memcpy(&result, &bits, 4);
+  return x < -87.0f ? 0.0f : result;
+}
+
 inline float Dot(const float* a, const float* b, int64_t n) {
   // Sixteen independent partial sums let the compiler vectorise without
   // reassociating a single accumulator (no -ffast-math needed).
@@ -62,66 +91,160 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return s + tail;
 }
 
-inline void Axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
+struct Scratch {
+  std::vector<float> kt;   // [D, kKeyBlock] the key block, transposed
+  std::vector<float> acc;  // [rows * group, D]
+  std::vector<float> m, l; // [rows * group] running max and denominator
+  std::vector<float> qs;   // [rows * group, D] scaled queries
+};
 
-// One (row, kv head): the group of query heads sharing that kv head.
-void AttendOne(const Problem& p, int64_t t, int64_t h, std::vector<float>& scores) {
-  const int64_t group = p.heads / p.kv_heads;
-  const int64_t d = p.dim;
-  float* out = p.out + (t * p.heads + h * group) * d;
-  std::fill(out, out + group * d, 0.f);
-  if (t >= p.num_tokens) return;
-  const int64_t pos = p.positions[t];
-  const int64_t req = p.token_req[t];
-  int64_t first = 0;
-  if (p.window > 0) first = std::max(first, pos - p.window + 1);
-  if (p.chunk > 0) first = std::max(first, (pos / p.chunk) * p.chunk);
-  const int64_t last = std::min(pos, p.max_pages * p.page_size - 1);
-  if (pos < 0 || last < first) return;
-  const int64_t n = last - first + 1;
-  scores.resize(static_cast<size_t>(group * n));
+// One query block (rows [r0, r1) of one request) and one kv head: the group of
+// query heads sharing that kv head, online softmax over key blocks.
+void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w) {
+  const int64_t group = p.heads / p.kv_heads, d = p.dim, rows = r1 - r0;
+  const int64_t req = p.token_req[r0];
   const int32_t* table = p.tables + req * p.max_pages;
-  const float* q = p.q + (t * p.heads + h * group) * d;
-  auto slot_offset = [&](int64_t key_pos) -> int64_t {
+  int64_t first[kQueryBlock], last[kQueryBlock];
+  int64_t kmin = INT64_MAX, kmax = -1;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t pos = p.positions[r0 + i];
+    first[i] = 0;
+    if (p.window > 0) first[i] = std::max(first[i], pos - p.window + 1);
+    if (p.chunk > 0) first[i] = std::max(first[i], (pos / p.chunk) * p.chunk);
+    last[i] = std::min(pos, p.max_pages * p.page_size - 1);
+    if (pos < 0 || last[i] < first[i] || r0 + i >= p.num_tokens) last[i] = -1, first[i] = 0;
+    if (last[i] >= first[i]) kmin = std::min(kmin, first[i]), kmax = std::max(kmax, last[i]);
+  }
+  const int64_t lanes = rows * group;
+  w.kt.assign(static_cast<size_t>(d * kKeyBlock), 0.f);
+  w.acc.assign(static_cast<size_t>(lanes * d), 0.f);
+  w.m.assign(static_cast<size_t>(lanes), -INFINITY);
+  w.l.assign(static_cast<size_t>(lanes), 0.f);
+  w.qs.resize(static_cast<size_t>(lanes * d));
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* q = p.q + ((r0 + i) * p.heads + h * group) * d;
+    for (int64_t j = 0; j < group * d; ++j) w.qs[i * group * d + j] = q[j];
+  }
+  auto slot = [&](int64_t key_pos) -> int64_t {
     int64_t page = table[key_pos / p.page_size];
     if (page < 0 || page >= p.num_pages) page = 0;  // never read outside the pool
     return ((page * p.page_size + key_pos % p.page_size) * p.kv_heads + h) * d;
   };
-  std::vector<float> maxes(group, -INFINITY);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* key = p.k + slot_offset(first + i);
+  // Transposing a key block pays off only when several query heads reuse it;
+  // a lone decode row takes direct dot products instead.
+  const bool transpose = lanes >= 4;
+  const float* keys[kKeyBlock];
+  const float* values[kKeyBlock];
+  for (int64_t kb = kmin; kb <= kmax; kb += kKeyBlock) {
+    const int64_t nk = std::min<int64_t>(kKeyBlock, kmax - kb + 1);
+    for (int64_t j = 0; j < nk; ++j) {
+      keys[j] = p.k + slot(kb + j);
+      values[j] = p.v + slot(kb + j);
+    }
+    // The next block's slots sit on other pages the hardware prefetcher cannot
+    // predict; ask for them now so they arrive while this block computes.
+    for (int64_t j = kb + kKeyBlock; j < std::min(kb + 2 * kKeyBlock, kmax + 1); ++j) {
+      const float* next_k = p.k + slot(j);
+      const float* next_v = p.v + slot(j);
+      for (int64_t e = 0; e < d; e += 16) {
+        __builtin_prefetch(next_k + e);
+        __builtin_prefetch(next_v + e);
+      }
+    }
+    for (int64_t j = 0; transpose && j < kKeyBlock; ++j) {
+      for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? keys[j][e] : 0.f;
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      if (last[i] < kb || first[i] > kb + nk - 1) continue;  // nothing visible here
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t lane = i * group + g;
+        const float* q = w.qs.data() + lane * d;
+        float s[kKeyBlock] = {0};
+        if (transpose) {
+          Scores sv = {};
+          for (int64_t e = 0; e < d; ++e) {
+            Scores kv;
+            std::memcpy(&kv, w.kt.data() + e * kKeyBlock, sizeof(Scores));
+            sv += q[e] * kv;
+          }
+          std::memcpy(s, &sv, sizeof(Scores));
+        } else {
+          for (int64_t j = 0; j < nk; ++j) s[j] = Dot(q, keys[j], d);
+        }
+        for (int j = 0; j < kKeyBlock; ++j) s[j] *= p.scale;
+        if (p.softcap > 0.f) {
+          for (int j = 0; j < kKeyBlock; ++j) s[j] = std::tanh(s[j] / p.softcap) * p.softcap;
+        }
+        // Only blocks on a mask edge (causal diagonal, window start, the tail)
+        // need per-key masking.
+        if (nk < kKeyBlock || kb < first[i] || kb + kKeyBlock - 1 > last[i]) {
+          for (int j = 0; j < kKeyBlock; ++j) {
+            const int64_t kp = kb + j;
+            if (j >= nk || kp < first[i] || kp > last[i]) s[j] = -INFINITY;
+          }
+        }
+        float block_max = s[0];
+        for (int j = 1; j < kKeyBlock; ++j) block_max = std::max(block_max, s[j]);
+        const float m_new = std::max(w.m[lane], block_max);
+        const float alpha = w.m[lane] == -INFINITY ? 0.f : ExpNonPositive(w.m[lane] - m_new);
+        float* acc = w.acc.data() + lane * d;
+        if (alpha != 1.f) {
+          for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
+        }
+        for (int j = 0; j < kKeyBlock; ++j) s[j] = ExpNonPositive(s[j] - m_new);
+        float sum = 0.f;
+        for (int j = 0; j < kKeyBlock; ++j) sum += s[j];
+        // Sixteen accumulator lanes stay in registers across the key block.
+        int64_t e0 = 0;
+        for (; e0 + kKeyBlock <= d; e0 += kKeyBlock) {
+          Scores a;
+          std::memcpy(&a, acc + e0, sizeof(Scores));
+          for (int64_t j = 0; j < nk; ++j) {
+            Scores v;
+            std::memcpy(&v, values[j] + e0, sizeof(Scores));
+            a += s[j] * v;
+          }
+          std::memcpy(acc + e0, &a, sizeof(Scores));
+        }
+        for (int64_t j = 0; j < nk && e0 < d; ++j) {
+          for (int64_t e = e0; e < d; ++e) acc[e] += s[j] * values[j][e];
+        }
+        w.l[lane] = w.l[lane] * alpha + sum;
+        w.m[lane] = m_new;
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
     for (int64_t g = 0; g < group; ++g) {
-      float s = Dot(q + g * d, key, d) * p.scale;
-      if (p.softcap > 0.f) s = std::tanh(s / p.softcap) * p.softcap;
-      scores[g * n + i] = s;
-      maxes[g] = std::max(maxes[g], s);
+      const int64_t lane = i * group + g;
+      float* out = p.out + ((r0 + i) * p.heads + h * group + g) * d;
+      const float inv = w.l[lane] > 0.f ? 1.f / w.l[lane] : 0.f;
+      const float* acc = w.acc.data() + lane * d;
+      for (int64_t e = 0; e < d; ++e) out[e] = acc[e] * inv;
     }
-  }
-  std::vector<float> denom(group, 0.f);
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * n;
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - maxes[g]);
-      denom[g] += s[i];
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    const float* value = p.v + slot_offset(first + i);
-    for (int64_t g = 0; g < group; ++g) Axpy(scores[g * n + i], value, out + g * d, d);
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / denom[g];
-    for (int64_t j = 0; j < d; ++j) out[g * d + j] *= inv;
   }
 }
 
-void AttendRange(const Problem& p, int64_t begin, int64_t end) {
-  std::vector<float> scores;
+void AttendRange(const Problem& p, const std::vector<int64_t>& starts, int64_t begin,
+                 int64_t end) {
+  Scratch scratch;
   for (int64_t item = begin; item < end; ++item) {
-    AttendOne(p, item / p.kv_heads, item % p.kv_heads, scores);
+    const int64_t b = item / p.kv_heads;
+    AttendBlock(p, starts[b], starts[b + 1], item % p.kv_heads, scratch);
   }
+}
+
+// Query blocks: runs of up to kQueryBlock consecutive real rows of one request.
+std::vector<int64_t> QueryBlocks(const Problem& p) {
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    if (starts.empty() || t - starts.back() == kQueryBlock ||
+        p.token_req[t] != p.token_req[starts.back()]) {
+      starts.push_back(t);
+    }
+  }
+  starts.push_back(p.num_tokens);
+  return starts;
 }
 
 // Work is cut into chunks claimed through an atomic counter by the calling
@@ -130,6 +253,7 @@ void AttendRange(const Problem& p, int64_t begin, int64_t end) {
 // deadlock the call; helpers that start late find nothing left and return.
 struct SharedWork {
   Problem problem;
+  std::vector<int64_t> starts;  // query block boundaries
   int64_t items = 0, chunk_items = 0, num_chunks = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -139,7 +263,7 @@ struct SharedWork {
       const int64_t c = next.fetch_add(1);
       if (c >= num_chunks) return;
       const int64_t begin = c * chunk_items;
-      AttendRange(problem, begin, std::min(items, begin + chunk_items));
+      AttendRange(problem, starts, begin, std::min(items, begin + chunk_items));
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -209,14 +333,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.scale = scale;
   p.softcap = softcap;
   const int64_t rows = qd[0];
-  // Rows past num_tokens only need zeroing; they are cheap, so chunks are cut
-  // over the real rows' items and the padding is cleared here at once.
-  const int64_t real_items = p.num_tokens * p.kv_heads;
+  // Rows past num_tokens only need zeroing, done here at once; the work items
+  // are (query block, kv head) pairs over the real rows.
+  work->starts = QueryBlocks(p);
+  const int64_t real_items = static_cast<int64_t>(work->starts.size() - 1) * p.kv_heads;
   std::memset(p.out + p.num_tokens * p.heads * p.dim, 0,
               sizeof(float) * (rows - p.num_tokens) * p.heads * p.dim);
   work->items = real_items;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t wanted = std::min<int64_t>(real_items, threads * 4);
+  // Items differ in cost (later causal blocks see more keys): cut finely.
+  const int64_t wanted = std::min<int64_t>(real_items, threads * 16);
   work->num_chunks = std::max<int64_t>(1, wanted);
   work->chunk_items = (real_items + work->num_chunks - 1) / work->num_chunks;
   if (work->chunk_items == 0) return ffi::Error::Success();
