@@ -112,6 +112,9 @@ class DecoderConfig:
         otherwise `post_attention_layernorm` is the pre-MLP norm (Llama).
     scale_embeddings: multiply token embeddings by sqrt(hidden_size) (Gemma).
     query_scale: the factor on q.k (head_dim**-0.5, or query_pre_attn_scalar**-0.5).
+    fused_projections: the serving layout: q/k/v and gate/up each run as one
+        input-major matmul (esurge.models.fusion); checkpoints always load
+        unfused, in the Hugging Face layout, and are fused afterwards.
     """
 
     vocab_size: int
@@ -134,6 +137,7 @@ class DecoderConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",

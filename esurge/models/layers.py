@@ -21,8 +21,8 @@ from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.rope import apply_rope
 
 __all__ = [
-    "MLP", "Attention", "DecoderLayer", "Embedding", "Linear", "RMSNorm", "embedding_scale",
-    "make_norm",
+    "MLP", "Attention", "DecoderLayer", "Embedding", "InputMajorLinear", "Linear", "RMSNorm",
+    "embedding_scale", "make_norm",
 ]
 
 
@@ -35,6 +35,25 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class InputMajorLinear(nnx.Module):
+    """y = x W + b with W stored [in_features, out_features].
+
+    The layout of the fused serving projections: XLA:CPU runs decode-sized
+    (32-row) matmuls 10-20% faster with the weight this way round, and one
+    wide matmul instead of two or three narrow ones is faster again.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((in_features, out_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+        y = x @ self.weight[...]
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -88,13 +107,28 @@ class MLP(nnx.Module):
 
     def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype):
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype)
-        self.up_proj = Linear(h, i, bias=bias, dtype=dtype)
+        # nnx fixes an attribute as data or static on its first assignment, so
+        # each branch assigns its modules before the Nones.
+        if not config.fused_projections:
+            self.gate_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
+            self.up_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
+            self.gate_up_proj: InputMajorLinear | None = None
+        else:
+            self.gate_up_proj = InputMajorLinear(h, 2 * i, bias=bias, dtype=dtype)
+            self.gate_proj = self.up_proj = None
         self.down_proj = Linear(i, h, bias=bias, dtype=dtype)
         self.activation = config.activation
+        self.intermediate_size = i
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden]
-        return self.down_proj(_activate(self.activation, self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
+        elif self.gate_proj is not None and self.up_proj is not None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            raise ValueError("MLP has neither fused nor separate gate/up projections")
+        return self.down_proj(_activate(self.activation, gate) * up)
 
 
 class Attention(nnx.Module):
@@ -102,9 +136,16 @@ class Attention(nnx.Module):
 
     def __init__(self, config: DecoderConfig, layer: LayerAttention, *, dtype: jnp.dtype):
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = Linear(h, config.num_heads * d, bias=config.qkv_bias, dtype=dtype)
-        self.k_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
-        self.v_proj = Linear(h, config.num_kv_heads * d, bias=config.qkv_bias, dtype=dtype)
+        q_out, kv_out = config.num_heads * d, config.num_kv_heads * d
+        bias = config.qkv_bias
+        if not config.fused_projections:  # modules before Nones, as in MLP
+            self.q_proj: Linear | None = Linear(h, q_out, bias=bias, dtype=dtype)
+            self.k_proj: Linear | None = Linear(h, kv_out, bias=bias, dtype=dtype)
+            self.v_proj: Linear | None = Linear(h, kv_out, bias=bias, dtype=dtype)
+            self.qkv_proj: InputMajorLinear | None = None
+        else:
+            self.qkv_proj = InputMajorLinear(h, q_out + 2 * kv_out, bias=bias, dtype=dtype)
+            self.q_proj = self.k_proj = self.v_proj = None
         self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, dtype=dtype)
         self.q_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.k_norm = make_norm(d, config, dtype) if config.qk_norm else None
@@ -124,9 +165,10 @@ class Attention(nnx.Module):
         block_pages: int | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # [T, hidden], updated (K, V)
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -136,6 +178,16 @@ class Attention(nnx.Module):
             softcap=self.softcap, block_pages=block_pages,
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
+
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        if self.qkv_proj is not None:
+            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            qkv = self.qkv_proj(x)
+            return qkv[:, :q_out], qkv[:, q_out:q_out + kv_out], qkv[:, q_out + kv_out:]
+        if self.q_proj is None or self.k_proj is None or self.v_proj is None:
+            raise ValueError("Attention has neither fused nor separate q/k/v projections")
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
 class DecoderLayer(nnx.Module):

@@ -24,6 +24,7 @@ from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
+from esurge.models.fusion import fuse_projections
 from esurge.models.registry import architecture_of, policy_for
 
 __all__ = ["LOAD_DTYPES", "LoadedModel", "load_model"]
@@ -122,8 +123,13 @@ def _eos_ids(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
     return tuple(found)
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
-    """Load the checkpoint in model_dir as float32 or bfloat16 parameters."""
+def load_model(model_dir: str | Path, dtype: str = "float32", *,
+               fuse: bool = True) -> LoadedModel:
+    """Load the checkpoint in model_dir as float32 or bfloat16 parameters.
+
+    fuse: bring the projections into the serving layout (esurge.models.fusion);
+    False keeps the checkpoint's own module tree and parameter names.
+    """
     from transformers import AutoConfig  # heavy import, only needed here
 
     if dtype not in LOAD_DTYPES:
@@ -138,8 +144,11 @@ def load_model(model_dir: str | Path, dtype: str = "float32") -> LoadedModel:
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=jdtype))
     graphdef, abstract_params = nnx.split(abstract)
     params = _read_params(nnx.to_pure_dict(abstract_params), _tensor_files(path), path, jdtype)
+    state = ModelState(graphdef=graphdef, params=params)
+    if fuse:
+        config, state = fuse_projections(config, state, jdtype)
     return LoadedModel(
-        model_state=ModelState(graphdef=graphdef, params=params),
+        model_state=state,
         config=config,
         hf_config=hf_config,
         architecture=architecture,

@@ -5,7 +5,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-__all__ = ["StepBuckets"]
+__all__ = ["FINE_BUCKETS_FROM", "StepBuckets"]
+
+# From this many tokens up, token buckets also step by 1.5x: a large step costs
+# in proportion to its padded size (a 1031-token step in a 2048 bucket did
+# twice the work), and the few extra programs compile at warm-up.
+FINE_BUCKETS_FROM = 512
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -18,9 +23,22 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return out
 
 
+def _token_ladder(lo: int, hi: int) -> list[int]:
+    out: list[int] = []
+    size = lo
+    while size < hi:
+        out.append(size)
+        if size >= FINE_BUCKETS_FROM and size * 3 // 2 < hi:
+            out.append(size * 3 // 2)
+        size *= 2
+    out.append(hi)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class StepBuckets:
-    """Token buckets (powers of two up to the step budget) and request buckets.
+    """Token buckets (powers of two up to the step budget, with 1.5x steps in
+    between from FINE_BUCKETS_FROM) and request buckets.
 
     Every step pads to the smallest token and request buckets that hold it, so
     the set of compiled shapes is fixed and known at warm-up.
@@ -38,7 +56,7 @@ class StepBuckets:
             min(min_requests, max_num_seqs), max_num_seqs)
         if requests[-1] < max_num_seqs:
             requests.append(max_num_seqs)
-        tokens = _powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+        tokens = _token_ladder(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
         return cls(tuple(tokens), tuple(requests))
 
     def tokens_for(self, num_tokens: int) -> int:
