@@ -129,3 +129,43 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     stamp = first.stat().st_mtime_ns
     assert cpu_kernels._build(cxx) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 24), (8, 2, 64), (6, 3, 40)])
+def test_kernel_matches_xla_across_head_shapes(heads: int, kv_heads: int, dim: int) -> None:
+    # Head sizes with and without a 16-wide remainder, group sizes 1, 2 and 4; a
+    # 40-token prefill chunk spans three query blocks and several key blocks, a
+    # decode row and a 3-token verification row sit beside it.
+    rng = np.random.default_rng(dim)
+    page, num_pages, max_pages = 8, 30, 8
+    steps = ((40, 0), (1, 33), (3, 17))  # (rows, first position) per request
+    tables = np.zeros((len(steps), max_pages), np.int32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    positions, token_req = [], []
+    for r, (n, start) in enumerate(steps):
+        for j in range(-(-(start + n) // page)):
+            tables[r, j] = free.pop()
+        positions += range(start, start + n)
+        token_req += [r] * n
+    t = len(positions) + 4  # padding rows
+    positions += [0] * 4
+    token_req += [0] * 4
+    slots = np.array([tables[r][p // page] * page + p % page for r, p in
+                      zip(token_req, positions, strict=True)], np.int32)
+    slots[-4:] = 0
+    metadata = AttentionMetadata(jnp.asarray(positions, jnp.int32),
+                                 jnp.asarray(token_req, jnp.int32), jnp.asarray(tables),
+                                 jnp.int32(t - 4))
+    q = jnp.asarray(rng.standard_normal((t, heads, dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((t, kv_heads, dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((t, kv_heads, dim)), jnp.float32)
+    k_cache = jnp.asarray(rng.standard_normal((num_pages, page, kv_heads, dim)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((num_pages, page, kv_heads, dim)), jnp.float32)
+    outs = []
+    for backend in (AttentionBackend.CPU_KERNEL, AttentionBackend.XLA):
+        out, _, _ = jax.jit(functools.partial(write_and_attend, scale=dim ** -0.5,
+                                              backend=backend))(
+            q, k, v, k_cache, v_cache, jnp.asarray(slots), metadata)
+        outs.append(np.asarray(out)[: t - 4])
+    assert np.ptp(outs[1]) > 0.5
+    np.testing.assert_allclose(outs[0], outs[1], atol=3e-6)
