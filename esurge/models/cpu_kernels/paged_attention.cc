@@ -49,6 +49,7 @@ struct Problem {
 
 constexpr int kQueryBlock = 16;  // rows of one request sharing each loaded key block
 constexpr int kKeyBlock = 16;    // keys per block: one 512-bit vector of scores
+constexpr int kMaxLaneTile = 8;  // lanes sharing each loaded key vector (see AttendLanes)
 
 // Sixteen scores as one GCC/Clang vector: the compiler maps it onto whatever
 // SIMD width -march=native offers, and the key block loop cannot be
@@ -91,12 +92,134 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return s + tail;
 }
 
+// Scores s of one lane over one key block -> probabilities in place, folding
+// the block into the lane's running max m and denominator l; returns the factor
+// the lane's accumulated values must be rescaled by.
+float SoftmaxBlock(const Problem& p, float* s, int64_t kb, int64_t nk, int64_t first,
+                   int64_t last, float& m, float& l) {
+  for (int j = 0; j < kKeyBlock; ++j) s[j] *= p.scale;
+  if (p.softcap > 0.f) {
+    for (int j = 0; j < kKeyBlock; ++j) s[j] = std::tanh(s[j] / p.softcap) * p.softcap;
+  }
+  // Only blocks on a mask edge (causal diagonal, window start, the tail) need
+  // per-key masking.
+  if (nk < kKeyBlock || kb < first || kb + kKeyBlock - 1 > last) {
+    for (int j = 0; j < kKeyBlock; ++j) {
+      const int64_t kp = kb + j;
+      if (j >= nk || kp < first || kp > last) s[j] = -INFINITY;
+    }
+  }
+  float block_max = s[0];
+  for (int j = 1; j < kKeyBlock; ++j) block_max = std::max(block_max, s[j]);
+  const float m_new = std::max(m, block_max);
+  const float alpha = m == -INFINITY ? 0.f : ExpNonPositive(m - m_new);
+  for (int j = 0; j < kKeyBlock; ++j) s[j] = ExpNonPositive(s[j] - m_new);
+  float sum = 0.f;
+  for (int j = 0; j < kKeyBlock; ++j) sum += s[j];
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
 struct Scratch {
   std::vector<float> kt;   // [D, kKeyBlock] the key block, transposed
   std::vector<float> acc;  // [rows * group, D]
   std::vector<float> m, l; // [rows * group] running max and denominator
   std::vector<float> qs;   // [rows * group, D] scaled queries
 };
+
+// One loaded key block: its first position, key count and slot pointers.
+struct KeyBlock {
+  int64_t kb = 0, nk = 0;
+  const float* keys[kKeyBlock];
+  const float* values[kKeyBlock];
+};
+
+// Folds one key block into lanes [0, lanes) (a lane is a (row, query head)
+// pair; lanes past `lanes` are padding), Tile lanes at a time so each loaded
+// key vector and value chunk feeds Tile accumulators.
+template <int Tile>
+void AttendLanes(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_t* first,
+                 const int64_t* last, int64_t rows, int64_t group, int64_t lanes,
+                 bool transpose) {
+  const int64_t d = p.dim;
+  for (int64_t l0 = 0; l0 < lanes; l0 += Tile) {
+    float s[Tile][kKeyBlock];
+    float alpha[Tile];
+    bool live[Tile];
+    bool any = false;
+    for (int u = 0; u < Tile; ++u) {
+      const int64_t i = (l0 + u) / group;
+      live[u] = i < rows && last[i] >= blk.kb && first[i] <= blk.kb + blk.nk - 1;
+      any = any || live[u];
+    }
+    if (!any) continue;  // nothing visible to these lanes here
+    if (transpose) {
+      Scores sv[Tile] = {};
+      for (int64_t e = 0; e < d; ++e) {
+        Scores kv;
+        std::memcpy(&kv, w.kt.data() + e * kKeyBlock, sizeof(Scores));
+        for (int u = 0; u < Tile; ++u) sv[u] += w.qs[(l0 + u) * d + e] * kv;
+      }
+      for (int u = 0; u < Tile; ++u) std::memcpy(s[u], &sv[u], sizeof(Scores));
+    } else {
+      for (int u = 0; u < Tile; ++u) {
+        for (int j = 0; j < kKeyBlock; ++j) {
+          const bool used = live[u] && j < blk.nk;
+          s[u][j] = used ? Dot(w.qs.data() + (l0 + u) * d, blk.keys[j], d) : 0.f;
+        }
+      }
+    }
+    for (int u = 0; u < Tile; ++u) {
+      alpha[u] = 1.f;
+      if (!live[u]) {
+        for (int j = 0; j < kKeyBlock; ++j) s[u][j] = 0.f;
+        continue;
+      }
+      const int64_t lane = l0 + u, i = lane / group;
+      alpha[u] = SoftmaxBlock(p, s[u], blk.kb, blk.nk, first[i], last[i], w.m[lane], w.l[lane]);
+    }
+    int64_t e0 = 0;
+    for (; e0 + kKeyBlock <= d; e0 += kKeyBlock) {
+      Scores acc[Tile];
+      for (int u = 0; u < Tile; ++u) {
+        std::memcpy(&acc[u], w.acc.data() + (l0 + u) * d + e0, sizeof(Scores));
+        acc[u] *= alpha[u];
+      }
+      for (int64_t j = 0; j < blk.nk; ++j) {
+        Scores v;
+        std::memcpy(&v, blk.values[j] + e0, sizeof(Scores));
+        for (int u = 0; u < Tile; ++u) acc[u] += s[u][j] * v;
+      }
+      for (int u = 0; u < Tile; ++u) {
+        std::memcpy(w.acc.data() + (l0 + u) * d + e0, &acc[u], sizeof(Scores));
+      }
+    }
+    for (int u = 0; u < Tile && e0 < d; ++u) {
+      float* acc = w.acc.data() + (l0 + u) * d;
+      for (int64_t e = e0; e < d; ++e) {
+        acc[e] *= alpha[u];
+        for (int64_t j = 0; j < blk.nk; ++j) acc[e] += s[u][j] * blk.values[j][e];
+      }
+    }
+  }
+}
+
+// Prefill blocks (transposed keys) take wide lane tiles; a decode row's few
+// lanes take the narrowest tile that holds them, so no work goes to padding.
+void ForEachLaneTile(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_t* first,
+                     const int64_t* last, int64_t rows, int64_t group, int64_t lanes,
+                     bool transpose) {
+  if (transpose || lanes > 4) {
+    AttendLanes<8>(p, w, blk, first, last, rows, group, lanes, transpose);
+  } else if (lanes > 2) {
+    AttendLanes<4>(p, w, blk, first, last, rows, group, lanes, transpose);
+  } else if (lanes == 2) {
+    AttendLanes<2>(p, w, blk, first, last, rows, group, lanes, transpose);
+  } else {
+    AttendLanes<1>(p, w, blk, first, last, rows, group, lanes, transpose);
+  }
+}
 
 // One query block (rows [r0, r1) of one request) and one kv head: the group of
 // query heads sharing that kv head, online softmax over key blocks.
@@ -116,11 +239,12 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w
     if (last[i] >= first[i]) kmin = std::min(kmin, first[i]), kmax = std::max(kmax, last[i]);
   }
   const int64_t lanes = rows * group;
+  const int64_t padded_lanes = (lanes + kMaxLaneTile - 1) / kMaxLaneTile * kMaxLaneTile;
   w.kt.assign(static_cast<size_t>(d * kKeyBlock), 0.f);
-  w.acc.assign(static_cast<size_t>(lanes * d), 0.f);
-  w.m.assign(static_cast<size_t>(lanes), -INFINITY);
-  w.l.assign(static_cast<size_t>(lanes), 0.f);
-  w.qs.resize(static_cast<size_t>(lanes * d));
+  w.acc.assign(static_cast<size_t>(padded_lanes * d), 0.f);
+  w.m.assign(static_cast<size_t>(padded_lanes), -INFINITY);
+  w.l.assign(static_cast<size_t>(padded_lanes), 0.f);
+  w.qs.assign(static_cast<size_t>(padded_lanes * d), 0.f);
   for (int64_t i = 0; i < rows; ++i) {
     const float* q = p.q + ((r0 + i) * p.heads + h * group) * d;
     for (int64_t j = 0; j < group * d; ++j) w.qs[i * group * d + j] = q[j];
@@ -133,13 +257,14 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w
   // Transposing a key block pays off only when several query heads reuse it;
   // a lone decode row takes direct dot products instead.
   const bool transpose = lanes >= 4;
-  const float* keys[kKeyBlock];
-  const float* values[kKeyBlock];
+  KeyBlock blk;
   for (int64_t kb = kmin; kb <= kmax; kb += kKeyBlock) {
     const int64_t nk = std::min<int64_t>(kKeyBlock, kmax - kb + 1);
+    blk.kb = kb;
+    blk.nk = nk;
     for (int64_t j = 0; j < nk; ++j) {
-      keys[j] = p.k + slot(kb + j);
-      values[j] = p.v + slot(kb + j);
+      blk.keys[j] = p.k + slot(kb + j);
+      blk.values[j] = p.v + slot(kb + j);
     }
     // The next block's slots sit on other pages the hardware prefetcher cannot
     // predict; ask for them now so they arrive while this block computes.
@@ -152,67 +277,9 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w
       }
     }
     for (int64_t j = 0; transpose && j < kKeyBlock; ++j) {
-      for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? keys[j][e] : 0.f;
+      for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? blk.keys[j][e] : 0.f;
     }
-    for (int64_t i = 0; i < rows; ++i) {
-      if (last[i] < kb || first[i] > kb + nk - 1) continue;  // nothing visible here
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t lane = i * group + g;
-        const float* q = w.qs.data() + lane * d;
-        float s[kKeyBlock] = {0};
-        if (transpose) {
-          Scores sv = {};
-          for (int64_t e = 0; e < d; ++e) {
-            Scores kv;
-            std::memcpy(&kv, w.kt.data() + e * kKeyBlock, sizeof(Scores));
-            sv += q[e] * kv;
-          }
-          std::memcpy(s, &sv, sizeof(Scores));
-        } else {
-          for (int64_t j = 0; j < nk; ++j) s[j] = Dot(q, keys[j], d);
-        }
-        for (int j = 0; j < kKeyBlock; ++j) s[j] *= p.scale;
-        if (p.softcap > 0.f) {
-          for (int j = 0; j < kKeyBlock; ++j) s[j] = std::tanh(s[j] / p.softcap) * p.softcap;
-        }
-        // Only blocks on a mask edge (causal diagonal, window start, the tail)
-        // need per-key masking.
-        if (nk < kKeyBlock || kb < first[i] || kb + kKeyBlock - 1 > last[i]) {
-          for (int j = 0; j < kKeyBlock; ++j) {
-            const int64_t kp = kb + j;
-            if (j >= nk || kp < first[i] || kp > last[i]) s[j] = -INFINITY;
-          }
-        }
-        float block_max = s[0];
-        for (int j = 1; j < kKeyBlock; ++j) block_max = std::max(block_max, s[j]);
-        const float m_new = std::max(w.m[lane], block_max);
-        const float alpha = w.m[lane] == -INFINITY ? 0.f : ExpNonPositive(w.m[lane] - m_new);
-        float* acc = w.acc.data() + lane * d;
-        if (alpha != 1.f) {
-          for (int64_t e = 0; e < d; ++e) acc[e] *= alpha;
-        }
-        for (int j = 0; j < kKeyBlock; ++j) s[j] = ExpNonPositive(s[j] - m_new);
-        float sum = 0.f;
-        for (int j = 0; j < kKeyBlock; ++j) sum += s[j];
-        // Sixteen accumulator lanes stay in registers across the key block.
-        int64_t e0 = 0;
-        for (; e0 + kKeyBlock <= d; e0 += kKeyBlock) {
-          Scores a;
-          std::memcpy(&a, acc + e0, sizeof(Scores));
-          for (int64_t j = 0; j < nk; ++j) {
-            Scores v;
-            std::memcpy(&v, values[j] + e0, sizeof(Scores));
-            a += s[j] * v;
-          }
-          std::memcpy(acc + e0, &a, sizeof(Scores));
-        }
-        for (int64_t j = 0; j < nk && e0 < d; ++j) {
-          for (int64_t e = e0; e < d; ++e) acc[e] += s[j] * values[j][e];
-        }
-        w.l[lane] = w.l[lane] * alpha + sum;
-        w.m[lane] = m_new;
-      }
-    }
+    ForEachLaneTile(p, w, blk, first, last, rows, group, lanes, transpose);
   }
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t g = 0; g < group; ++g) {
