@@ -1,6 +1,6 @@
 """Native kernels for XLA:CPU, built on first use with the machine's C++ compiler.
 
-`paged_attention.cc` reads keys and values straight from the paged cache
+`paged_attention.cc` (with `attention_tiles.h`) reads keys and values straight from the paged cache
 (the pure-JAX path must gather them into a new buffer first, which triples the
 memory traffic of a decode step on CPU). The shared library is compiled once
 per (source, compiler, CPU) into a cache directory and registered as an XLA
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 TARGET = "esurge_paged_attention"
 _SOURCE = Path(__file__).with_name("paged_attention.cc")
+_HEADERS = (Path(__file__).with_name("attention_tiles.h"),)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -59,7 +60,7 @@ def _compiler_version(cxx: str) -> str:
 
 def _build(cxx: str) -> Path:
     """The library's path, compiling it unless this exact build is cached."""
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join([
         source, " ".join(_FLAGS).encode(), _compiler_version(cxx).encode(),
