@@ -35,7 +35,7 @@ from esurge.models.cpu_kernels import kernel_available, paged_attention_kernel
 
 __all__ = [
     "GATHER_BUDGET_BYTES", "MAX_BLOCK_PAGES", "AttentionBackend", "AttentionMetadata",
-    "block_pages_for", "paged_attention", "write_and_attend", "write_kv",
+    "block_pages_for", "kernel_serves", "paged_attention", "write_and_attend", "write_kv",
 ]
 
 MAX_BLOCK_PAGES = 4  # 4 pages of keys per token stay cache-resident on CPU; 8 ran ~10% slower
@@ -51,11 +51,17 @@ class AttentionBackend(enum.Enum):
     CPU_KERNEL = "cpu_kernel"  # esurge/models/cpu_kernels; ValueError where it cannot run
 
 
+def kernel_serves(dtype: jnp.dtype | str) -> bool:
+    """True when AUTO attention over a cache of this dtype runs in the CPU kernel
+    (callers then skip what only helps the XLA path, such as query tiles)."""
+    return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+            and kernel_available())
+
+
 def _use_kernel(backend: AttentionBackend, *arrays: jax.Array) -> bool:
     if backend is AttentionBackend.XLA:
         return False
-    fits = (jax.default_backend() == "cpu"
-            and all(a.dtype == jnp.float32 for a in arrays) and kernel_available())
+    fits = all(a.dtype == jnp.float32 for a in arrays) and kernel_serves(jnp.float32)
     if backend is AttentionBackend.CPU_KERNEL and not fits:
         raise ValueError("the CPU paged-attention kernel needs the CPU platform, float32 "
                          "queries and cache, and a C++ compiler to build it")

@@ -25,6 +25,7 @@ from esurge.config import Config
 from esurge.core.kv_cache_spec import CacheGroupsConfig
 from esurge.models.kv_cache import KVCache, init_kv_cache
 from esurge.models.loader import LoadedModel
+from esurge.models.paged_attention import kernel_serves
 from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.runner.buckets import StepBuckets
 from esurge.runner.device_step import model_step, pad_tokens
@@ -86,6 +87,9 @@ class eSurgeRunner:
         self.kv_dtype = model.dtype
         self.page_size = cache.page_size
         self.num_spec = config.num_speculative_tokens
+        # Query tiles only help the XLA attention path; the CPU kernel groups rows
+        # itself, and skipping tiles halves the programs warm-up compiles.
+        self.tiled_attention = not kernel_serves(model.dtype)
         self.num_pages = cache.num_pages or self._pages_from_budget(memory_fraction)
         self.cache_groups: CacheGroupsConfig = model.cache_groups(self.num_pages, self.page_size)
         self.kv_cache: KVCache = init_kv_cache(self.cache_groups)
@@ -142,7 +146,7 @@ class eSurgeRunner:
             return _Pending(None, None, {})
         ib = self.input_batch
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
-                                   self._prev_index, self.num_spec)
+                                   self._prev_index, self.num_spec, self.tiled_attention)
         variant = ib.sampling.variant(inputs.rows)
         tensors = ib.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
                                       inputs.sample_positions, variant)

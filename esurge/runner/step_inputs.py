@@ -76,25 +76,29 @@ def _logits_rows(ends: np.ndarray, num_drafts: np.ndarray, r_bucket: int,
 QUERY_TILE = 16
 
 
-def query_tile_for(num_scheduled: np.ndarray) -> int:
+def query_tile_for(num_scheduled: np.ndarray, tiled: bool = True) -> int:
     """Tile attention queries when some request brings a prefill-sized chunk:
     its rows then share one key gather per tile. Decode-only steps keep one
-    row per request."""
-    return QUERY_TILE if len(num_scheduled) and int(num_scheduled.max()) >= QUERY_TILE else 1
+    row per request. tiled=False (the CPU kernel runs attention and groups
+    rows itself) never tiles."""
+    big = len(num_scheduled) and int(num_scheduled.max()) >= QUERY_TILE
+    return QUERY_TILE if tiled and big else 1
 
 
-def query_tiles_for_bucket(num_tokens_bucket: int) -> tuple[int, ...]:
+def query_tiles_for_bucket(num_tokens_bucket: int, tiled: bool = True) -> tuple[int, ...]:
     """The query tiles a step in this token bucket may use (each compiles once)."""
-    return (1, QUERY_TILE) if num_tokens_bucket >= QUERY_TILE else (1,)
+    return (1, QUERY_TILE) if tiled and num_tokens_bucket >= QUERY_TILE else (1,)
 
 
 def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets, page_size: int,
-                      prev_sample_index: dict[str, int], num_spec: int = 0) -> StepInputs:
+                      prev_sample_index: dict[str, int], num_spec: int = 0,
+                      tiled: bool = True) -> StepInputs:
     """Flatten the scheduled requests into bucket-padded ForwardBatch arrays.
 
     prev_sample_index maps a request to its sampler row in the step still in
     flight, for tokens whose ids are not on the host yet. num_spec is the
-    number of speculative tokens per step (0: speculation off).
+    number of speculative tokens per step (0: speculation off). tiled: see
+    query_tile_for.
     """
     sched = sorted(so.num_scheduled_tokens, key=ib.row_of.__getitem__)
     rows = np.fromiter((ib.row_of[r] for r in sched), np.int64, len(sched))
@@ -129,7 +133,7 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     tables[:, :num_reqs] = page_tables
     qsl = np.full(r_bucket + 1, total, np.int32)
     qsl[:num_reqs] = starts
-    tile = query_tile_for(n_sched)
+    tile = query_tile_for(n_sched, tiled)
     tile_rows, row_in_tiles = (tile_layout(n_sched, t_bucket, r_bucket, tile) if tile > 1
                                else (None, None))
     batch = ForwardBatch(

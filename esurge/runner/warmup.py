@@ -74,7 +74,7 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
     logits_of: dict[int, jax.Array] = {}
     hidden_of: dict[int, jax.Array] = {}
     state = runner.model.model_state
-    for tokens, requests, tile in _with_tiles(shapes):
+    for tokens, requests, tile in _with_tiles(shapes, runner.tiled_attention):
         inputs = _padding_inputs(runner, tokens, requests, tile)
         for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
             tensors = sampling.tensors(inputs.rows, requests, inputs.sample_positions, variant)
@@ -99,8 +99,8 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
     return hidden_of
 
 
-def _with_tiles(shapes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    return [(t, r, tile) for t, r in shapes for tile in query_tiles_for_bucket(t)]
+def _with_tiles(shapes: list[tuple[int, int]], tiled: bool) -> list[tuple[int, int, int]]:
+    return [(t, r, tile) for t, r in shapes for tile in query_tiles_for_bucket(t, tiled)]
 
 
 def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | None,
@@ -112,7 +112,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     variants = runner.sampler_variants() if variants is None else variants
     request_buckets = sorted({r for _, r in shapes})
     token_buckets = {t for t, _ in shapes}
-    total = (len(_with_tiles(shapes)) + len(request_buckets) * len(variants)
+    total = (len(_with_tiles(shapes, runner.tiled_attention)) + len(request_buckets) * len(variants)
              + (len(token_buckets) if variants else 0))
     done = 0
     hidden_of: dict[int, jax.Array] = {}
@@ -133,7 +133,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     # warm-ups: inputs of another origin (numpy, device_put) can carry other
     # placement metadata and would fill different cache entries.
     logits_of: dict[int, jax.Array] = {}
-    for tokens, requests, tile in _with_tiles(shapes):
+    for tokens, requests, tile in _with_tiles(shapes, runner.tiled_attention):
         batch = _padding_batch(runner, tokens, requests, tile=tile)
         logits, hidden, runner.kv_cache = model_step(
             runner.model.model_state, runner.kv_cache, batch, runner._prev_tokens,
