@@ -1,4 +1,12 @@
-"""Paged attention over a flattened token batch, in pure JAX.
+"""Paged attention over a flattened token batch: the pure-JAX path and the dispatch.
+
+Layers call `write_and_attend`, which picks the implementation
+(`AttentionBackend`): on XLA:CPU with a float32 cache, the C++ kernel of
+`esurge.models.cpu_kernels` (it writes the step's keys and values in place
+and reads each visible key once from the pages); elsewhere (GPU/TPU,
+bfloat16, no compiler) `write_kv` followed by the pure-JAX `paged_attention`
+below. Both compute the same thing; the rest of this docstring describes the
+pure-JAX formulation.
 
 One call serves every row kind at once (prefill chunks, single-token decodes,
 k-token speculative verification): each token knows its request and position,
@@ -13,8 +21,8 @@ By default the block shrinks for large token buckets so one gathered block
 stays under `GATHER_BUDGET_BYTES`.
 The loop covers just the blocks any real token can see (up to the furthest
 position, from the earliest window start), so short contexts and sliding
-windows cost less. `paged_attention(q, k_cache, v_cache, metadata, ...)` is the
-boundary a Pallas kernel can later take over.
+windows cost less. `write_and_attend` is also the boundary a Pallas kernel
+can later take on GPU/TPU.
 
 Masked scores use a large finite negative and masked probabilities are
 zeroed explicitly, so a token that sees nothing (padding) yields zeros, never
