@@ -34,12 +34,14 @@ log = logging.getLogger(__name__)
 
 def default_config(model: LoadedModel, max_num_seqs: int = 32) -> Config:
     """A config from the checkpoint: its context length, chunked prefill, a
-    memory-sized cache with prefix caching."""
+    memory-sized cache with prefix caching, and async scheduling (the next
+    step is prepared while one runs: same tokens, ~10% more throughput on
+    W1; speculative decoding turns it off, see _effective_config)."""
     max_len = int(getattr(model.hf_config, "max_position_embeddings", 0) or 2048)
     return Config(
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=min(2048, max_len),
-            max_model_len=max_len, chunked_prefill_enabled=True),
+            max_model_len=max_len, chunked_prefill_enabled=True, async_scheduling=True),
         cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
     )
 

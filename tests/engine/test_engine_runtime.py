@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from esurge import SamplingParams, eSurge
 from esurge.runner.device_step import model_step, pad_tokens, prompt_logprobs_step
 from esurge.runner.sampler import sample_jit
@@ -50,3 +52,19 @@ def test_shutdown_fails_pending_requests(tiny_llama_dir: Path) -> None:
         assert "not running" in str(err)
     else:
         raise AssertionError("generate after shutdown must fail")
+
+
+def test_no_config_derives_one_from_the_checkpoint(tiny_llama_dir: Path,
+                                                   engine: eSurge) -> None:
+    with eSurge(tiny_llama_dir, show_progress=False, warmup=False) as llm:
+        sched, cache = llm.config.scheduler_config, llm.config.cache_config
+        prompts = mixed_prompts()[:3]
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    max_len = AutoConfig.from_pretrained(tiny_llama_dir).max_position_embeddings
+    assert (sched.max_model_len, sched.max_num_batched_tokens) == (max_len, min(2048, max_len))
+    assert sched.async_scheduling and sched.chunked_prefill_enabled
+    assert cache.num_pages is None and cache.enable_prefix_caching
+    # Async scheduling changes nothing a user sees: the same greedy tokens as
+    # the shared (synchronous) engine.
+    want = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in want]
