@@ -265,6 +265,7 @@ def write_and_attend(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], k_cache, v_cache
     """write_kv then paged_attention, by the backend chosen (see AttentionBackend).
 
+    block_pages tunes the XLA path only (the kernel walks 16-key blocks).
     Rows past metadata.num_tokens are padding: their output is unspecified.
     """
     if _use_kernel(backend, q, k, v, k_cache, v_cache):
