@@ -111,6 +111,21 @@ class _ClientBase:
     def _timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
 
+    def _attach(self, channel: Any) -> None:
+        """Stubs over a sync or asyncio channel (the generated stubs take either)."""
+        self.channel = channel
+        self.stub = service_pb2_grpc.EngineServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+
+    @staticmethod
+    def _request(prompt: Prompt | engine_pb2.EngineRequest,
+                 params: SamplingParams | sampling_pb2.SamplingParams | None,
+                 options: dict[str, Any]) -> engine_pb2.EngineRequest:
+        """A ready EngineRequest as given, or one built by build_request."""
+        if isinstance(prompt, engine_pb2.EngineRequest):
+            return prompt
+        return build_request(prompt, params, **options)
+
 
 class EngineClient(_ClientBase):
     """Blocking client. `timeout` is the default deadline of every call, in seconds."""
@@ -119,18 +134,15 @@ class EngineClient(_ClientBase):
                  max_message_bytes: int = 16 * 1024 * 1024, timeout: float | None = None
                  ) -> None:
         super().__init__(target, credentials, max_message_bytes, timeout)
-        self.channel = (grpc.secure_channel(target, credentials, self._options) if credentials
-                        else grpc.insecure_channel(target, self._options))
-        self.stub = service_pb2_grpc.EngineServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._attach(grpc.secure_channel(target, credentials, self._options) if credentials
+                     else grpc.insecure_channel(target, self._options))
 
     def generate(self, prompt: Prompt | engine_pb2.EngineRequest,
                  params: SamplingParams | sampling_pb2.SamplingParams | None = None, *,
                  timeout: float | None = None, metadata: Metadata | None = None,
                  **options: Any) -> ResponseStream[service_pb2.GenerateResponse]:
         """Stream a generation; `options` are build_request's keywords."""
-        request = (prompt if isinstance(prompt, engine_pb2.EngineRequest)
-                   else build_request(prompt, params, **options))
+        request = self._request(prompt, params, options)
         stream: ResponseStream[service_pb2.GenerateResponse] = self.stub.Generate(
             service_pb2.GenerateRequest(request=request), timeout=self._timeout(timeout),
             metadata=metadata)
@@ -141,8 +153,7 @@ class EngineClient(_ClientBase):
                        timeout: float | None = None, metadata: Metadata | None = None,
                        **options: Any) -> service_pb2.GenerateUnaryResponse:
         """Generate to completion in one call."""
-        request = (prompt if isinstance(prompt, engine_pb2.EngineRequest)
-                   else build_request(prompt, params, **options))
+        request = self._request(prompt, params, options)
         response: service_pb2.GenerateUnaryResponse = self.stub.GenerateUnary(
             service_pb2.GenerateUnaryRequest(request=request), timeout=self._timeout(timeout),
             metadata=metadata)
@@ -217,18 +228,15 @@ class AsyncEngineClient(_ClientBase):
                  max_message_bytes: int = 16 * 1024 * 1024, timeout: float | None = None
                  ) -> None:
         super().__init__(target, credentials, max_message_bytes, timeout)
-        self.channel = (grpc.aio.secure_channel(target, credentials, self._options)
-                        if credentials else grpc.aio.insecure_channel(target, self._options))
-        self.stub = service_pb2_grpc.EngineServiceStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._attach(grpc.aio.secure_channel(target, credentials, self._options)
+                     if credentials else grpc.aio.insecure_channel(target, self._options))
 
     def generate(self, prompt: Prompt | engine_pb2.EngineRequest,
                  params: SamplingParams | sampling_pb2.SamplingParams | None = None, *,
                  timeout: float | None = None, metadata: Metadata | None = None,
                  **options: Any) -> Any:
         """Stream a generation: `async for` over the returned call; `.cancel()` ends it."""
-        request = (prompt if isinstance(prompt, engine_pb2.EngineRequest)
-                   else build_request(prompt, params, **options))
+        request = self._request(prompt, params, options)
         return self.stub.Generate(service_pb2.GenerateRequest(request=request),
                                   timeout=self._timeout(timeout), metadata=metadata)
 
@@ -237,8 +245,7 @@ class AsyncEngineClient(_ClientBase):
                              *, timeout: float | None = None, metadata: Metadata | None = None,
                              **options: Any) -> service_pb2.GenerateUnaryResponse:
         """Generate to completion in one call."""
-        request = (prompt if isinstance(prompt, engine_pb2.EngineRequest)
-                   else build_request(prompt, params, **options))
+        request = self._request(prompt, params, options)
         response: service_pb2.GenerateUnaryResponse = await self.stub.GenerateUnary(
             service_pb2.GenerateUnaryRequest(request=request), timeout=self._timeout(timeout),
             metadata=metadata)

@@ -179,7 +179,6 @@ class Attention(nnx.Module):
         )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
 
-
     def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         if self.qkv_proj is not None:
             q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -69,7 +69,7 @@ def kernel_serves(dtype: jnp.dtype | str) -> bool:
 def _use_kernel(backend: AttentionBackend, *arrays: jax.Array) -> bool:
     if backend is AttentionBackend.XLA:
         return False
-    fits = all(a.dtype == jnp.float32 for a in arrays) and kernel_serves(jnp.float32)
+    fits = all(a.dtype == jnp.float32 for a in arrays) and kernel_serves(arrays[0].dtype)
     if backend is AttentionBackend.CPU_KERNEL and not fits:
         raise ValueError("the CPU paged-attention kernel needs the CPU platform, float32 "
                          "queries and cache, and a C++ compiler to build it")
