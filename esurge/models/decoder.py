@@ -20,7 +20,7 @@ from esurge.core.kv_cache_spec import (
 from esurge.models.batch import ForwardBatch
 from esurge.models.decoder_config import AttentionKind, DecoderConfig, LayerAttention, RopeConfig
 from esurge.models.kv_cache import KVCache
-from esurge.models.layers import DecoderLayer, Embedding, Linear, embedding_scale, make_norm
+from esurge.models.layers import DecoderLayer, Embedding, embedding_scale, make_norm, serving_linear
 from esurge.models.paged_attention import AttentionMetadata
 from esurge.models.rope import rope_cos_sin
 
@@ -76,7 +76,8 @@ class CausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.model = DecoderModel(config, dtype=dtype)
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype))
+                        else serving_linear(config, config.hidden_size, config.vocab_size,
+                                            bias=False, dtype=dtype))
 
     def __call__(
         self,

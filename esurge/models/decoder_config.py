@@ -115,6 +115,9 @@ class DecoderConfig:
     fused_projections: the serving layout: q/k/v and gate/up each run as one
         input-major matmul (esurge.models.fusion); checkpoints always load
         unfused, in the Hugging Face layout, and are fused afterwards.
+    packed_weights: on top of fusion, every projection and the untied LM head
+        store their weight in column panels for the CPU matmul kernel
+        (esurge.models.packed_linear); needs fused_projections.
     """
 
     vocab_size: int
@@ -138,6 +141,7 @@ class DecoderConfig:
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
     fused_projections: bool = False
+    packed_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
@@ -163,6 +167,8 @@ class DecoderConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive_float(name, value)
+        if self.packed_weights and not self.fused_projections:
+            raise ValueError("packed_weights=True needs fused_projections=True")
 
     @property
     def num_layers(self) -> int:

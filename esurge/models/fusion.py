@@ -7,11 +7,16 @@ on XLA:CPU a decode step's narrow matmuls are launch- and packing-bound, and
 one wide matmul over the concatenated weight computes the same dot products
 in less time. The outputs are split again right after the matmul, so nothing
 downstream changes.
+
+`pack_projections` goes one step further where the CPU kernels serve: every
+projection and the untied LM head are stored in column panels
+(esurge.models.packed_linear) for the few-row matmul kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -20,8 +25,9 @@ from flax import nnx
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
+from esurge.models.packed_linear import pack_weight
 
-__all__ = ["fuse_projections"]
+__all__ = ["fuse_projections", "pack_projections"]
 
 
 def _concat(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,15 +51,50 @@ def fuse_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype
     if config.fused_projections:
         return config, state
     fused_config = dataclasses.replace(config, fused_projections=True)
-    params: Params = dict(state.params)
+    return fused_config, _state_for(fused_config, _map_layers(state.params, _fuse_layer), dtype)
+
+
+def _map_layers(params: Params, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Params:
+    """A shallow copy of params with every decoder layer's subtree changed."""
     model = dict(params["model"])
-    model["layers"] = {i: _fuse_layer(layer) for i, layer in model["layers"].items()}
-    params["model"] = model
-    abstract = nnx.eval_shape(lambda: CausalLM(fused_config, dtype=dtype))
+    model["layers"] = {i: change(layer) for i, layer in model["layers"].items()}
+    return {**params, "model": model}
+
+
+def _packed(linear: dict[str, Any], input_major: bool) -> dict[str, Any]:
+    weight = linear["weight"] if input_major else linear["weight"].T
+    return {**linear, "weight": pack_weight(weight)}
+
+
+def _pack_layer(layer: dict[str, Any]) -> dict[str, Any]:
+    attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
+    attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True)
+    attn["o_proj"] = _packed(attn["o_proj"], input_major=False)
+    mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True)
+    mlp["down_proj"] = _packed(mlp["down_proj"], input_major=False)
+    return {**layer, "self_attn": attn, "mlp": mlp}
+
+
+def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype
+                     ) -> tuple[DecoderConfig, ModelState]:
+    """The fused model with every projection and the untied LM head packed."""
+    if not config.fused_projections:
+        config, state = fuse_projections(config, state, dtype)
+    if config.packed_weights:
+        return config, state
+    packed_config = dataclasses.replace(config, packed_weights=True)
+    params = _map_layers(state.params, _pack_layer)
+    if params.get("lm_head") is not None:
+        params["lm_head"] = _packed(params["lm_head"], input_major=False)
+    return packed_config, _state_for(packed_config, params, dtype)
+
+
+def _state_for(config: DecoderConfig, params: Params, dtype: jnp.dtype) -> ModelState:
+    """params under the module tree of config, checked against it."""
+    abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype))
     graphdef, abstract_params = nnx.split(abstract)
-    expected = nnx.to_pure_dict(abstract_params)
-    _check_same_tree(expected, params)
-    return fused_config, ModelState(graphdef=graphdef, params=params)
+    _check_same_tree(nnx.to_pure_dict(abstract_params), params)
+    return ModelState(graphdef=graphdef, params=params)
 
 
 def _check_same_tree(expected: Any, got: Any, path: str = "") -> None:

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
+from esurge.models.packed_linear import PackedLinear
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.rope import apply_rope
 
 __all__ = [
     "MLP", "Attention", "DecoderLayer", "Embedding", "InputMajorLinear", "Linear", "RMSNorm",
-    "embedding_scale", "make_norm",
+    "embedding_scale", "make_norm", "serving_linear",
 ]
 
 
@@ -57,6 +58,20 @@ class InputMajorLinear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...]
         return y
+
+
+AnyLinear = Linear | InputMajorLinear | PackedLinear
+
+
+def serving_linear(config: DecoderConfig, in_features: int, out_features: int, *, bias: bool,
+                   dtype: jnp.dtype, fused: bool = False) -> AnyLinear:
+    """The projection in the config's layout: packed, input-major (a fused
+    projection) or the checkpoint's own [out, in]."""
+    if config.packed_weights:
+        return PackedLinear(in_features, out_features, bias=bias, dtype=dtype)
+    if fused:
+        return InputMajorLinear(in_features, out_features, bias=bias, dtype=dtype)
+    return Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
 class Embedding(nnx.Module):
@@ -112,11 +127,12 @@ class MLP(nnx.Module):
         if not config.fused_projections:
             self.gate_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
             self.up_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
-            self.gate_up_proj: InputMajorLinear | None = None
+            self.gate_up_proj: AnyLinear | None = None
         else:
-            self.gate_up_proj = InputMajorLinear(h, 2 * i, bias=bias, dtype=dtype)
+            self.gate_up_proj = serving_linear(config, h, 2 * i, bias=bias, dtype=dtype,
+                                               fused=True)
             self.gate_proj = self.up_proj = None
-        self.down_proj = Linear(i, h, bias=bias, dtype=dtype)
+        self.down_proj = serving_linear(config, i, h, bias=bias, dtype=dtype)
         self.activation = config.activation
         self.intermediate_size = i
 
@@ -142,11 +158,13 @@ class Attention(nnx.Module):
             self.q_proj: Linear | None = Linear(h, q_out, bias=bias, dtype=dtype)
             self.k_proj: Linear | None = Linear(h, kv_out, bias=bias, dtype=dtype)
             self.v_proj: Linear | None = Linear(h, kv_out, bias=bias, dtype=dtype)
-            self.qkv_proj: InputMajorLinear | None = None
+            self.qkv_proj: AnyLinear | None = None
         else:
-            self.qkv_proj = InputMajorLinear(h, q_out + 2 * kv_out, bias=bias, dtype=dtype)
+            self.qkv_proj = serving_linear(config, h, q_out + 2 * kv_out, bias=bias, dtype=dtype,
+                                           fused=True)
             self.q_proj = self.k_proj = self.v_proj = None
-        self.o_proj = Linear(config.num_heads * d, h, bias=config.o_bias, dtype=dtype)
+        self.o_proj = serving_linear(config, config.num_heads * d, h, bias=config.o_bias,
+                                     dtype=dtype)
         self.q_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.k_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d

@@ -20,11 +20,12 @@ from flax import nnx
 from safetensors import safe_open
 
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
+from esurge.models.cpu_kernels import kernels_serve
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
-from esurge.models.fusion import fuse_projections
+from esurge.models.fusion import fuse_projections, pack_projections
 from esurge.models.registry import architecture_of, policy_for
 
 __all__ = ["LOAD_DTYPES", "LoadedModel", "load_model"]
@@ -124,11 +125,13 @@ def _eos_ids(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", *,
-               fuse: bool = True) -> LoadedModel:
+               fuse: bool = True, pack: bool | None = None) -> LoadedModel:
     """Load the checkpoint in model_dir as float32 or bfloat16 parameters.
 
     fuse: bring the projections into the serving layout (esurge.models.fusion);
     False keeps the checkpoint's own module tree and parameter names.
+    pack: also store them in column panels for the CPU matmul kernel (needs
+    fuse); None packs where the kernels serve the dtype (XLA:CPU, float32).
     """
     from transformers import AutoConfig  # heavy import, only needed here
 
@@ -141,12 +144,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", *,
     architecture = architecture_of(hf_config)
     config = decoder_config_from_hf(hf_config, policy_for(architecture))
     jdtype = LOAD_DTYPES[dtype]
+    if pack and not fuse:
+        raise ValueError("pack=True needs fuse=True")
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=jdtype))
     graphdef, abstract_params = nnx.split(abstract)
     params = _read_params(nnx.to_pure_dict(abstract_params), _tensor_files(path), path, jdtype)
     state = ModelState(graphdef=graphdef, params=params)
     if fuse:
         config, state = fuse_projections(config, state, jdtype)
+    if fuse and (kernels_serve(jdtype) if pack is None else pack):
+        config, state = pack_projections(config, state, jdtype)
     return LoadedModel(
         model_state=state,
         config=config,

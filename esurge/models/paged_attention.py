@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from esurge.models.cpu_kernels import kernel_available, paged_attention_kernel
+from esurge.models.cpu_kernels import kernels_serve, paged_attention_kernel
 
 __all__ = [
     "GATHER_BUDGET_BYTES", "MAX_BLOCK_PAGES", "AttentionBackend", "AttentionMetadata",
@@ -62,8 +62,7 @@ class AttentionBackend(enum.Enum):
 def kernel_serves(dtype: jnp.dtype | str) -> bool:
     """True when AUTO attention over a cache of this dtype runs in the CPU kernel
     (callers then skip what only helps the XLA path, such as query tiles)."""
-    return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-            and kernel_available())
+    return kernels_serve(dtype)
 
 
 def _use_kernel(backend: AttentionBackend, *arrays: jax.Array) -> bool:

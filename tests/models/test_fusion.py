@@ -29,8 +29,9 @@ def test_fused_and_unfused_give_the_same_logits(make_pair: Callable[..., Pair],
 def test_fused_layout_is_input_major_and_drops_the_separate_projections(
         make_pair: Callable[..., Pair]) -> None:
     pair = make_pair("qwen2")
-    config = pair.loaded.config
-    layer = pair.loaded.model_state.params["model"]["layers"][0]
+    fused = load_model(pair.path, pack=False)  # packing is test_packed_linear's subject
+    config = fused.config
+    layer = fused.model_state.params["model"]["layers"][0]
     q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     assert set(layer["self_attn"]) == {"qkv_proj", "o_proj"}
     assert layer["self_attn"]["qkv_proj"]["weight"].shape == (config.hidden_size,

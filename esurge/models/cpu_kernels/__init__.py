@@ -1,12 +1,16 @@
 """Native kernels for XLA:CPU, built on first use with the machine's C++ compiler.
 
-`paged_attention.cc` (with `attention_tiles.h`) reads keys and values straight from the paged cache
-(the pure-JAX path must gather them into a new buffer first, which triples the
-memory traffic of a decode step on CPU). The shared library is compiled once
-per (source, compiler, CPU) into a cache directory and registered as an XLA
-FFI target; `kernel_available()` is False, with one warning in the log, when
-that is impossible (no compiler, a failed build), and callers then use the
-pure-JAX path, which computes the same thing.
+`paged_attention.cc` (with `attention_tiles.h`) reads keys and values straight
+from the paged cache (the pure-JAX path must gather them into a new buffer
+first, which triples the memory traffic of a decode step on CPU).
+`packed_matmul.cc` multiplies few-row activations by weights packed once into
+contiguous column panels (XLA's matmul walks an [in, out] weight with strides
+the prefetcher does not follow and repacks it on every call). Both share
+`parallel_for.h`. The shared library is compiled once per (sources, compiler,
+CPU) into a cache directory and its handlers registered as XLA FFI targets;
+`kernel_available()` is False, with one warning in the log, when that is
+impossible (no compiler, a failed build), and callers then use pure-JAX
+paths, which compute the same thing.
 
 Environment:
     ESURGE_CPU_KERNELS=0      never build or use the kernels
@@ -32,14 +36,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["TARGET", "kernel_available", "paged_attention_kernel"]
+__all__ = [
+    "MATMUL_TARGET", "PANEL", "TARGET", "kernel_available", "kernels_serve",
+    "packed_matmul_kernel", "paged_attention_kernel",
+]
 
 log = logging.getLogger(__name__)
 
 TARGET = "esurge_paged_attention"
-_SOURCE = Path(__file__).with_name("paged_attention.cc")
-_HEADERS = (Path(__file__).with_name("attention_tiles.h"),)
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+MATMUL_TARGET = "esurge_packed_matmul"
+PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc")
+_HEADERS = (_HERE / "attention_tiles.h", _HERE / "parallel_for.h")
+# -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -60,21 +71,21 @@ def _compiler_version(cxx: str) -> str:
 
 def _build(cxx: str) -> Path:
     """The library's path, compiling it unless this exact build is cached."""
-    source = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     include = jax.ffi.include_dir()
     key = hashlib.sha256(b"\0".join([
         source, " ".join(_FLAGS).encode(), _compiler_version(cxx).encode(),
         jax.__version__.encode(), _cpu_signature().encode(),
     ])).hexdigest()[:20]
     cache = Path(os.environ.get("ESURGE_KERNEL_CACHE", Path.home() / ".cache/esurge/kernels"))
-    lib = cache / f"paged_attention-{key}.so"
+    lib = cache / f"esurge_kernels-{key}.so"
     if lib.is_file():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp],
+        subprocess.run([cxx, *_FLAGS, f"-I{include}", *map(str, _SOURCES), "-o", tmp],
                        capture_output=True, text=True, check=True)
         os.replace(tmp, lib)  # atomic: concurrent builders end with one whole file
     finally:
@@ -88,26 +99,35 @@ def _load() -> bool:
         return False
     cxx = shutil.which(os.environ.get("CXX", "c++"))
     if cxx is None:
-        log.warning("no C++ compiler found: paged attention uses the pure-JAX path on CPU")
+        log.warning("no C++ compiler found: attention and matmuls use pure-JAX paths on CPU")
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.EsurgePagedAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.EsurgePackedMatmul),
+                                    platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
-        log.warning("CPU paged-attention kernel unavailable (%s); using the pure-JAX path",
+        log.warning("CPU kernels unavailable (%s); using the pure-JAX paths",
                     detail.strip()[:2000])
         return False
     return True
 
 
 def kernel_available() -> bool:
-    """True when the CPU kernel is built and registered (built on the first call)."""
+    """True when the CPU kernels are built and registered (built on the first call)."""
     with _lock:
         if "ok" not in _state:
             _state["ok"] = _load()
         return _state["ok"]
+
+
+def kernels_serve(dtype: jnp.dtype | str) -> bool:
+    """True when arrays of this dtype on the default JAX platform can use the
+    kernels: XLA:CPU, float32, and the library built."""
+    return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+            and kernel_available())
 
 
 def paged_attention_kernel(
@@ -143,3 +163,13 @@ def paged_attention_kernel(
         chunk_size=np.int64(chunk_size or 0), softcap=np.float32(softcap or 0.0),
     )
     return out, k_cache, v_cache
+
+
+def packed_matmul_kernel(
+    x: jax.Array,  # [M, K] float32
+    w: jax.Array,  # [P, K, PANEL] float32: packed column panels
+    out_features: int,  # N, (P - 1) * PANEL < N <= P * PANEL
+) -> jax.Array:  # [M, N] float32
+    """x @ W with W packed in column panels (see packed_matmul.cc)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
+    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w)

@@ -20,15 +20,13 @@
 // are 0 when the layer has none (the Python wrapper maps None to 0).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "attention_tiles.h"
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -130,28 +128,6 @@ std::vector<int64_t> QueryBlocks(const Problem& p) {
   return starts;
 }
 
-// Work is cut into chunks claimed through an atomic counter by the calling
-// thread and by helpers scheduled on the pool. The caller only waits for
-// chunks some running thread has claimed, so a busy pool can delay but never
-// deadlock the call; helpers that start late find nothing left and return.
-struct SharedWork {
-  Problem problem;
-  std::vector<int64_t> starts;  // query block boundaries
-  int64_t items = 0, chunk_items = 0, num_chunks = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Drain() {
-    for (;;) {
-      const int64_t c = next.fetch_add(1);
-      if (c >= num_chunks) return;
-      const int64_t begin = c * chunk_items;
-      AttendRange(problem, starts, begin, std::min(items, begin + chunk_items));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 // Writes each row's new key and value into its cache slot. The caches are
 // aliased to the results (the jitted caller donates them), so this updates
 // them in place; XLA copies first where it cannot alias.
@@ -195,8 +171,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   }
   WriteKV(k_new, v_new, slot_mapping, k_cache, v_cache, k_out->typed_data(),
           v_out->typed_data());
-  auto work = std::make_shared<SharedWork>();
-  Problem& p = work->problem;
+  Problem p;
   p.q = q.typed_data();
   p.k = k_out->typed_data();
   p.v = v_out->typed_data();
@@ -218,25 +193,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t rows = qd[0];
   // Rows past num_tokens only need zeroing, done here at once; the work items
   // are (query block, kv head) pairs over the real rows.
-  work->starts = QueryBlocks(p);
-  const int64_t real_items = static_cast<int64_t>(work->starts.size() - 1) * p.kv_heads;
+  const std::vector<int64_t> starts = QueryBlocks(p);
+  const int64_t items = static_cast<int64_t>(starts.size() - 1) * p.kv_heads;
   std::memset(p.out + p.num_tokens * p.heads * p.dim, 0,
               sizeof(float) * (rows - p.num_tokens) * p.heads * p.dim);
-  work->items = real_items;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Items differ in cost (later causal blocks see more keys): cut finely.
-  const int64_t wanted = std::min<int64_t>(real_items, threads * 16);
-  work->num_chunks = std::max<int64_t>(1, wanted);
-  work->chunk_items = (real_items + work->num_chunks - 1) / work->num_chunks;
-  if (work->chunk_items == 0) return ffi::Error::Success();
-  work->num_chunks = (real_items + work->chunk_items - 1) / work->chunk_items;
-  for (int64_t i = 1; i < std::min(threads, work->num_chunks); ++i) {
-    pool.Schedule([work] { work->Drain(); });
-  }
-  work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->num_chunks) {
-    std::this_thread::yield();
-  }
+  esurge_kernels::ParallelFor(pool, items, 16, [&p, &starts](int64_t begin, int64_t end) {
+    AttendRange(p, starts, begin, end);
+  });
   return ffi::Error::Success();
 }
 

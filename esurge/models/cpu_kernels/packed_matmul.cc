@@ -1,0 +1,145 @@
+// y = x W for XLA:CPU with W pre-packed in column panels, called from JAX
+// through the XLA FFI (esurge/models/packed_linear.py packs and dispatches).
+//
+// Why a kernel: a decode step's matmuls have few rows (one per request), so
+// each weight element is used a few dozen times and the step is bound by how
+// fast the weights stream in. XLA keeps weights [in, out] row-major, where a
+// block of output columns is a strided walk across memory pages that the
+// hardware prefetcher does not follow, and its matmul library packs the
+// weight again on every call. Here the weight is packed once, at load time,
+// into panels of kPanel output columns, each panel [in, kPanel] contiguous:
+// one sequential stream per panel, read once from memory and reused from cache
+// by every block of rows. Measured on a 2-core AVX-512 VM at 32 rows: 2x the
+// rate of XLA's matmul on the same shapes.
+//
+// Contract: x [M, K] float32, w [P, K, kPanel] float32 where panel p holds
+// output columns [p * kPanel, (p + 1) * kPanel) (zero-padded past N), y [M, N]
+// float32 with N <= P * kPanel. Each output element is one sequential
+// multiply-add chain over k = 0..K-1, whatever M and the thread count are, so
+// a row's result does not depend on the other rows of the batch.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kPanel = 32;  // output columns per panel; keep in step with packed_linear.py
+constexpr int kLanes = 16;  // floats per vector: half a panel
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+// Rows per register tile: MR rows x 2 vectors of accumulators, plus the two
+// panel vectors, must fit the register file (32 zmm with AVX-512, 16 ymm
+// otherwise, where each Vec takes two).
+#if defined(__AVX512F__)
+constexpr int kRowTile = 8;
+#else
+constexpr int kRowTile = 3;
+#endif
+
+// How far ahead (in k) the first row tile of a panel asks for panel rows.
+constexpr int kPrefetchRows = 16;
+
+struct Problem {
+  const float* x;  // [M, K]
+  const float* w;  // [P, K, kPanel]
+  float* y;        // [M, N]
+  int64_t m, k, n;
+};
+
+// y[rows, panel columns] for MR rows starting at row r0 of panel p.
+template <int MR>
+void Tile(const Problem& pb, int64_t r0, int64_t p, bool prefetch) {
+  const float* panel = pb.w + p * pb.k * kPanel;
+  const float* x = pb.x + r0 * pb.k;
+  Vec lo[MR], hi[MR];
+  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = Vec{};
+  for (int64_t k = 0; k < pb.k; ++k) {
+    Vec b0, b1;
+    std::memcpy(&b0, panel + k * kPanel, sizeof(Vec));
+    std::memcpy(&b1, panel + k * kPanel + kLanes, sizeof(Vec));
+    if (prefetch) {
+      __builtin_prefetch(panel + (k + kPrefetchRows) * kPanel);
+      __builtin_prefetch(panel + (k + kPrefetchRows) * kPanel + kLanes);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float a = x[r * pb.k + k];
+      lo[r] += a * b0;
+      hi[r] += a * b1;
+    }
+  }
+  const int64_t col = p * kPanel;
+  const int64_t width = std::min<int64_t>(kPanel, pb.n - col);
+  for (int r = 0; r < MR; ++r) {
+    float* out = pb.y + (r0 + r) * pb.n + col;
+    if (width == kPanel) {
+      std::memcpy(out, &lo[r], sizeof(Vec));
+      std::memcpy(out + kLanes, &hi[r], sizeof(Vec));
+    } else {  // the last panel of an N that is not a multiple of kPanel
+      float full[kPanel];
+      std::memcpy(full, &lo[r], sizeof(Vec));
+      std::memcpy(full + kLanes, &hi[r], sizeof(Vec));
+      std::memcpy(out, full, sizeof(float) * width);
+    }
+  }
+}
+
+// The leftover rows (M mod kRowTile) as one narrower tile.
+void TailTile(const Problem& pb, int64_t r0, int64_t p, int rows, bool prefetch) {
+  switch (rows) {
+    case 1: return Tile<1>(pb, r0, p, prefetch);
+    case 2: return Tile<2>(pb, r0, p, prefetch);
+#if defined(__AVX512F__)
+    case 3: return Tile<3>(pb, r0, p, prefetch);
+    case 4: return Tile<4>(pb, r0, p, prefetch);
+    case 5: return Tile<5>(pb, r0, p, prefetch);
+    case 6: return Tile<6>(pb, r0, p, prefetch);
+    case 7: return Tile<7>(pb, r0, p, prefetch);
+#endif
+    default: return;
+  }
+}
+
+// Every row of panels [begin, end): the first row tile streams the panel in
+// (prefetching ahead), the others find it in cache.
+void Panels(const Problem& pb, int64_t begin, int64_t end) {
+  for (int64_t p = begin; p < end; ++p) {
+    int64_t r = 0;
+    for (; r + kRowTile <= pb.m; r += kRowTile) Tile<kRowTile>(pb, r, p, r == 0);
+    if (r < pb.m) TailTile(pb, r, p, static_cast<int>(pb.m - r), r == 0);
+  }
+}
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [P, K, 32], y [M, N]");
+  }
+  if (wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
+      yd[1] <= (wd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("packed matmul: shapes do not match");
+  }
+  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
+  // Panels cost the same: a few chunks per thread balance a busy pool.
+  esurge_kernels::ParallelFor(pool, wd[0], 4, [&pb](int64_t begin, int64_t end) {
+    Panels(pb, begin, end);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgePackedMatmul, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // w, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y

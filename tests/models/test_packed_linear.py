@@ -1,0 +1,146 @@
+"""Packed projections: the CPU matmul kernel and the packed serving layout.
+
+The kernel is checked against float64 numpy on shapes with and without
+remainders (rows not a multiple of its 8-row tile, columns not a multiple of
+the 32-column panel), against XLA's many-row path, and for the property the
+engine relies on: a row's result does not depend on the rows beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from esurge.models import cpu_kernels, load_model
+from esurge.models.decoder_config import (
+    Activation,
+    AttentionKind,
+    DecoderConfig,
+    LayerAttention,
+    RopeConfig,
+    RopeType,
+)
+from esurge.models.packed_linear import (
+    KERNEL_MAX_ROWS,
+    PANEL,
+    pack_weight,
+    packed_matmul,
+    unpack_weight,
+)
+from tests.models.conftest import Pair
+from tests.models.paged import PagedSession, Row
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU-only kernel")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    assert cpu_kernels.kernel_available(), "the CPU kernels failed to build (see the log)"
+
+
+def _operands(rows: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, k)).astype(np.float32),
+            rng.standard_normal((k, n)).astype(np.float32))
+
+
+def test_pack_and_unpack_round_trip_with_zero_padding() -> None:
+    _, w = _operands(1, 9, 70)
+    packed = np.asarray(pack_weight(jnp.asarray(w)))
+    assert packed.shape == (3, 9, PANEL)
+    np.testing.assert_array_equal(packed[0, :, :], w[:, :PANEL])
+    np.testing.assert_array_equal(packed[2, :, : 70 - 2 * PANEL], w[:, 2 * PANEL:])
+    assert not packed[2, :, 70 - 2 * PANEL:].any()
+    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(packed), 70)), w)
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [
+    (1, 16, 32), (3, 17, 70), (8, 64, 96), (13, 256, 40), (32, 256, 512), (45, 33, 5),
+    (KERNEL_MAX_ROWS, 48, 64),
+])
+def test_kernel_matches_float64_reference(rows: int, k: int, n: int) -> None:
+    x, w = _operands(rows, k, n, seed=rows + k + n)
+    got = np.asarray(jax.jit(packed_matmul, static_argnums=2)(
+        jnp.asarray(x), pack_weight(jnp.asarray(w)), n))
+    assert got.shape == (rows, n)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_kernel_is_in_the_compiled_step_only_for_few_rows() -> None:
+    packed = pack_weight(jnp.zeros((16, 40), jnp.float32))
+
+    def lowered(rows: int) -> str:
+        f = jax.jit(packed_matmul, static_argnums=2)
+        return f.lower(jnp.zeros((rows, 16), jnp.float32), packed, 40).as_text()
+
+    assert cpu_kernels.MATMUL_TARGET in lowered(KERNEL_MAX_ROWS)
+    assert cpu_kernels.MATMUL_TARGET not in lowered(KERNEL_MAX_ROWS + 1)
+
+
+def test_many_rows_take_xla_with_the_same_result() -> None:
+    rows = KERNEL_MAX_ROWS + 8
+    x, w = _operands(rows, 40, 70, seed=4)
+    packed = pack_weight(jnp.asarray(w))
+    many = np.asarray(packed_matmul(jnp.asarray(x), packed, 70))
+    few = np.asarray(packed_matmul(jnp.asarray(x[:8]), packed, 70))
+    np.testing.assert_allclose(many, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(many[:8], few, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:
+    x, w = _operands(32, 256, 96, seed=8)
+    packed = pack_weight(jnp.asarray(w))
+    batch = np.asarray(packed_matmul(jnp.asarray(x), packed, 96))
+    for i in (0, 7, 8, 31):
+        alone = np.asarray(packed_matmul(jnp.asarray(x[i:i + 1]), packed, 96))
+        np.testing.assert_array_equal(batch[i], alone[0])
+
+
+def test_kernel_rejects_mismatched_shapes() -> None:
+    x = jnp.zeros((4, 16), jnp.float32)
+    packed = pack_weight(jnp.zeros((12, 64), jnp.float32))  # K = 12, not 16
+    with pytest.raises(Exception, match="shapes do not match"):
+        np.asarray(cpu_kernels.packed_matmul_kernel(x, packed, 64))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])  # qkv biases; an untied LM head
+def test_serving_load_packs_every_projection_and_keeps_the_logits(
+        make_pair: Callable[..., Pair], family: str) -> None:
+    pair = make_pair(family)
+    loaded = pair.loaded
+    assert loaded.config.packed_weights
+    params = loaded.model_state.params
+    hidden = loaded.config.hidden_size
+    attn = params["model"]["layers"][0]["self_attn"]
+    assert attn["o_proj"]["weight"].shape == (-(-hidden // PANEL), hidden, PANEL)
+    if loaded.config.qkv_bias:  # biases stay [out]
+        c = loaded.config
+        assert attn["qkv_proj"]["bias"].shape == ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim,)
+    if loaded.config.tie_word_embeddings:  # the head is the embedding table, unpacked
+        assert "lm_head" not in params
+    else:
+        assert params["lm_head"]["weight"].shape == (-(-loaded.vocab_size // PANEL), hidden,
+                                                     PANEL)
+    fused = load_model(pair.path, pack=False)
+    assert fused.config.fused_projections and not fused.config.packed_weights
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 256, 19)]
+    rows = [Row("a", ids, 0, num_logits=len(ids))]
+    (packed_logits,) = PagedSession(loaded).step(rows)
+    (fused_logits,) = PagedSession(fused).step(rows)
+    assert np.ptp(fused_logits) > 1.0
+    np.testing.assert_allclose(packed_logits, fused_logits, atol=1e-5, rtol=0)
+
+
+def test_packing_needs_fusion(make_pair: Callable[..., Pair]) -> None:
+    with pytest.raises(ValueError, match="pack=True needs fuse=True"):
+        load_model(make_pair("llama").path, fuse=False, pack=True)
+    layer = LayerAttention(AttentionKind.FULL, None, RopeConfig(RopeType.DEFAULT, 10000.0))
+    with pytest.raises(ValueError, match="packed_weights=True needs fused_projections=True"):
+        DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_heads=2,
+                      num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6,
+                      activation=Activation.SILU, layers=(layer,), packed_weights=True)
