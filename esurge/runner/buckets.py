@@ -5,12 +5,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-__all__ = ["FINE_BUCKETS_FROM", "StepBuckets"]
+__all__ = ["FINE_BUCKETS_FROM", "QUARTER_BUCKETS_FROM", "StepBuckets"]
 
-# From this many tokens up, token buckets also step by 1.5x: a large step costs
-# in proportion to its padded size (a 1031-token step in a 2048 bucket did
-# twice the work), and the few extra programs compile at warm-up.
+# From this many tokens up, token buckets also step by 1.5x, and from
+# QUARTER_BUCKETS_FROM by quarters (1.25x, 1.5x, 1.75x): a large step costs in
+# proportion to its padded size (a 1031-token step in a 2048 bucket did twice
+# the work, in a 1536 one half again), and the few extra programs compile at
+# warm-up.
 FINE_BUCKETS_FROM = 512
+QUARTER_BUCKETS_FROM = 1024
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -28,8 +31,9 @@ def _token_ladder(lo: int, hi: int) -> list[int]:
     size = lo
     while size < hi:
         out.append(size)
-        if size >= FINE_BUCKETS_FROM and size * 3 // 2 < hi:
-            out.append(size * 3 // 2)
+        quarters = ((5, 6, 7) if size >= QUARTER_BUCKETS_FROM
+                    else (6,) if size >= FINE_BUCKETS_FROM else ())
+        out.extend(size * q // 4 for q in quarters if size * q // 4 < hi)
         size *= 2
     out.append(hi)
     return out
@@ -38,7 +42,8 @@ def _token_ladder(lo: int, hi: int) -> list[int]:
 @dataclass(frozen=True, slots=True)
 class StepBuckets:
     """Token buckets (powers of two up to the step budget, with 1.5x steps in
-    between from FINE_BUCKETS_FROM) and request buckets.
+    between from FINE_BUCKETS_FROM and quarter steps from QUARTER_BUCKETS_FROM)
+    and request buckets.
 
     Every step pads to the smallest token and request buckets that hold it, so
     the set of compiled shapes is fixed and known at warm-up.

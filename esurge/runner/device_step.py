@@ -11,9 +11,16 @@ import jax.numpy as jnp
 from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward
 from esurge.models.kv_cache import KVCache
-from esurge.runner.sampler import token_logprobs
+from esurge.runner.sampler import (
+    SamplerOutput,
+    SamplerVariant,
+    SamplingTensors,
+    sample,
+    token_logprobs,
+)
 
-__all__ = ["model_step", "model_step_features", "pad_tokens", "prompt_logprobs_step"]
+__all__ = ["model_step", "model_step_features", "pad_tokens", "prompt_logprobs_step",
+           "sample_step"]
 
 
 @partial(jax.jit, donate_argnums=(1,))
@@ -57,10 +64,22 @@ def model_step_features(
     return logits, hidden, features, kv_cache
 
 
-@partial(jax.jit, static_argnums=(1,))
 def pad_tokens(tokens: jax.Array, size: int) -> jax.Array:
     """[R] -> [size] int32, zero padded (fixed-shape feedback buffer)."""
     return jnp.zeros(size, jnp.int32).at[: tokens.shape[0]].set(tokens)
+
+
+@partial(jax.jit, static_argnames=("variant", "feedback_size"))
+def sample_step(
+    logits: jax.Array,  # [R, V]
+    tensors: SamplingTensors,
+    variant: SamplerVariant,
+    feedback_size: int,
+) -> tuple[SamplerOutput, jax.Array]:
+    """The sampled tokens, and the same padded to the fixed-shape buffer
+    [feedback_size] the next model step reads (one dispatch, not two)."""
+    out = sample(logits, tensors, variant)
+    return out, pad_tokens(out.token_ids, feedback_size)
 
 
 @partial(jax.jit, static_argnums=(4,))

@@ -28,10 +28,10 @@ from esurge.models.loader import LoadedModel
 from esurge.models.paged_attention import kernel_serves
 from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.runner.buckets import StepBuckets
-from esurge.runner.device_step import model_step, pad_tokens
+from esurge.runner.device_step import model_step, sample_step
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
-from esurge.runner.sampler import SamplerOutput, SamplerVariant, sample_jit
+from esurge.runner.sampler import SamplerOutput, SamplerVariant
 from esurge.runner.spec_decoder import SpecDecoder, SpecStep
 from esurge.runner.step_inputs import StepInputs, build_step_inputs
 from esurge.runner.warmup import warm_up
@@ -158,8 +158,7 @@ class eSurgeRunner:
         logits, hidden, self.kv_cache = model_step(
             self.model.model_state, self.kv_cache, inputs.batch, self._prev_tokens,
             inputs.prev_index)
-        sampled = sample_jit(logits, tensors, variant)
-        self._prev_tokens = pad_tokens(sampled.token_ids, self.max_rows)
+        sampled, self._prev_tokens = sample_step(logits, tensors, variant, self.max_rows)
         self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
         plp = self._prompt_logprobs.compute(ib, inputs, hidden)
         return _Pending(inputs, sampled, plp)

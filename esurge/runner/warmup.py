@@ -15,10 +15,10 @@ from esurge.models.kv_cache import NULL_PAGE
 from esurge.runner.device_step import (
     model_step,
     model_step_features,
-    pad_tokens,
     prompt_logprobs_step,
+    sample_step,
 )
-from esurge.runner.sampler import MAX_LOGPROBS, SamplerVariant, sample_jit
+from esurge.runner.sampler import MAX_LOGPROBS, SamplerVariant
 from esurge.runner.spec_sampler import verify_jit
 from esurge.runner.step_inputs import StepInputs, query_tiles_for_bucket
 
@@ -146,8 +146,8 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
         rows = np.zeros(0, np.int64)
         for variant in variants:
             tensors = sampling.tensors(rows, requests, np.zeros(0, np.int32), variant)
-            out = sample_jit(logits_of[requests], tensors, variant)
-            jax.block_until_ready(pad_tokens(out.token_ids, runner.max_rows))
+            jax.block_until_ready(sample_step(logits_of[requests], tensors, variant,
+                                              runner.max_rows))
             tick(f"sampler requests={requests} {variant}")
     if variants:
         for tokens in sorted(hidden_of):

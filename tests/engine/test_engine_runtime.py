@@ -8,14 +8,12 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from esurge import SamplingParams, eSurge
-from esurge.runner.device_step import model_step, pad_tokens, prompt_logprobs_step
-from esurge.runner.sampler import sample_jit
+from esurge.runner.device_step import model_step, prompt_logprobs_step, sample_step
 from tests.engine.conftest import engine_config, mixed_prompts
 
 
 def _compiled() -> tuple[int, ...]:
-    return tuple(f._cache_size() for f in (model_step, sample_jit, pad_tokens,
-                                           prompt_logprobs_step))
+    return tuple(f._cache_size() for f in (model_step, sample_step, prompt_logprobs_step))
 
 
 def test_no_compile_after_warmup(engine: eSurge) -> None:

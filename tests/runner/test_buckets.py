@@ -7,20 +7,24 @@ import pytest
 from esurge.runner.buckets import StepBuckets
 
 
-def test_token_buckets_are_powers_of_two_then_also_one_and_a_half_steps() -> None:
+def test_token_buckets_are_powers_of_two_then_one_and_a_half_then_quarter_steps() -> None:
     buckets = StepBuckets.create(2048, 32, (8, 16, 32))
-    assert buckets.token_buckets == (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048)
+    assert buckets.token_buckets == (16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792,
+                                     2048)
     assert buckets.request_buckets == (8, 16, 32)
 
 
 def test_budget_that_is_not_a_power_of_two_is_the_last_bucket() -> None:
     assert StepBuckets.create(1000, 4).token_buckets == (16, 32, 64, 128, 256, 512, 768, 1000)
+    assert StepBuckets.create(1400, 4).token_buckets == (16, 32, 64, 128, 256, 512, 768, 1024,
+                                                         1280, 1400)
     assert StepBuckets.create(600, 4).token_buckets == (16, 32, 64, 128, 256, 512, 600)
     assert StepBuckets.create(100, 4).token_buckets == (16, 32, 64, 100)
 
 
 @pytest.mark.parametrize(("tokens", "bucket"), [(1, 16), (16, 16), (17, 32), (513, 768),
-                                                (1031, 1536), (1537, 2048), (2048, 2048)])
+                                                (1031, 1280), (1537, 1792), (1793, 2048),
+                                                (2048, 2048)])
 def test_a_step_pads_to_the_smallest_bucket_that_holds_it(tokens: int, bucket: int) -> None:
     assert StepBuckets.create(2048, 32).tokens_for(tokens) == bucket
 
