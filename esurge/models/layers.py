@@ -34,7 +34,8 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
+                 ) -> jax.Array:  # [..., in] -> [..., out]; num_rows: see PackedLinear
         y = jnp.einsum("...i,oi->...o", x, self.weight[...])
         if self.bias is not None:
             y = y + self.bias[...]
@@ -53,7 +54,8 @@ class InputMajorLinear(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
+                 ) -> jax.Array:  # [..., in] -> [..., out]; num_rows: see PackedLinear
         y = x @ self.weight[...]
         if self.bias is not None:
             y = y + self.bias[...]
@@ -136,15 +138,16 @@ class MLP(nnx.Module):
         self.activation = config.activation
         self.intermediate_size = i
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, hidden]
+    def __call__(self, x: jax.Array,  # [T, hidden]
+                 num_rows: jax.Array | None = None) -> jax.Array:  # [] real rows of x
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
+            gate_up = self.gate_up_proj(x, num_rows)
             gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
         elif self.gate_proj is not None and self.up_proj is not None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
             raise ValueError("MLP has neither fused nor separate gate/up projections")
-        return self.down_proj(_activate(self.activation, gate) * up)
+        return self.down_proj(_activate(self.activation, gate) * up, num_rows)
 
 
 class Attention(nnx.Module):
@@ -183,7 +186,7 @@ class Attention(nnx.Module):
         block_pages: int | None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:  # [T, hidden], updated (K, V)
         t = x.shape[0]
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, metadata.num_tokens)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -195,12 +198,14 @@ class Attention(nnx.Module):
             sliding_window=self.sliding_window, chunk_size=self.chunk_size,
             softcap=self.softcap, block_pages=block_pages,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), (k_cache, v_cache)
+        return (self.o_proj(out.reshape(t, self.num_heads * self.head_dim), metadata.num_tokens),
+                (k_cache, v_cache))
 
-    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project(self, x: jax.Array, num_rows: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         if self.qkv_proj is not None:
             q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = self.qkv_proj(x)
+            qkv = self.qkv_proj(x, num_rows)
             return qkv[:, :q_out], qkv[:, q_out:q_out + kv_out], qkv[:, q_out + kv_out:]
         if self.q_proj is None or self.k_proj is None or self.v_proj is None:
             raise ValueError("Attention has neither fused nor separate q/k/v projections")
@@ -235,9 +240,9 @@ class DecoderLayer(nnx.Module):
                                   block_pages)
         if not self.sandwich:
             x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x)), kv
+            return x + self.mlp(self.post_attention_layernorm(x), metadata.num_tokens), kv
         x = x + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        mlp = self.mlp(self.pre_feedforward_layernorm(x), metadata.num_tokens)
         return x + self.post_feedforward_layernorm(mlp), kv
 
 

@@ -92,5 +92,7 @@ def test_padding_writes_only_the_null_page(make_pair: Callable[..., Pair]) -> No
     written = [int(table[0]), int(table[1])]
     for old, new in zip(before, session.kv.keys, strict=True):
         changed = {int(p) for p in np.nonzero(np.any(np.asarray(new) != old, axis=(1, 2, 3)))[0]}
-        assert changed == {0, *written}
+        # Page 0 changes unless the padding rows' keys are zeros, as the CPU
+        # matmul kernel leaves them (it skips padding rows).
+        assert set(written) <= changed <= {0, *written}
         assert np.all(np.isfinite(np.asarray(new)))

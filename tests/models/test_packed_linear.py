@@ -1,9 +1,10 @@
 """Packed projections: the CPU matmul kernel and the packed serving layout.
 
 The kernel is checked against float64 numpy on shapes with and without
-remainders (rows not a multiple of its 8-row tile, columns not a multiple of
-the 32-column panel), against XLA's many-row path, and for the property the
-engine relies on: a row's result does not depend on the rows beside it.
+remainders (rows not a multiple of its 8-row tile or 256-row chunk, columns
+not a multiple of the 32-column panel), against the XLA fallback, for padding
+rows (zeros, not computed), and for the property the engine relies on: a
+row's result does not depend on the rows beside it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from esurge.models import cpu_kernels, load_model
+from esurge.models import cpu_kernels, load_model, packed_linear
 from esurge.models.decoder_config import (
     Activation,
     AttentionKind,
@@ -24,13 +25,7 @@ from esurge.models.decoder_config import (
     RopeConfig,
     RopeType,
 )
-from esurge.models.packed_linear import (
-    KERNEL_MAX_ROWS,
-    PANEL,
-    pack_weight,
-    packed_matmul,
-    unpack_weight,
-)
+from esurge.models.packed_linear import PANEL, pack_weight, packed_matmul, unpack_weight
 from tests.models.conftest import Pair
 from tests.models.paged import PagedSession, Row
 
@@ -60,7 +55,7 @@ def test_pack_and_unpack_round_trip_with_zero_padding() -> None:
 
 @pytest.mark.parametrize(("rows", "k", "n"), [
     (1, 16, 32), (3, 17, 70), (8, 64, 96), (13, 256, 40), (32, 256, 512), (45, 33, 5),
-    (KERNEL_MAX_ROWS, 48, 64),
+    (256, 48, 64), (517, 40, 70),
 ])
 def test_kernel_matches_float64_reference(rows: int, k: int, n: int) -> None:
     x, w = _operands(rows, k, n, seed=rows + k + n)
@@ -71,25 +66,26 @@ def test_kernel_matches_float64_reference(rows: int, k: int, n: int) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(k))
 
 
-def test_kernel_is_in_the_compiled_step_only_for_few_rows() -> None:
-    packed = pack_weight(jnp.zeros((16, 40), jnp.float32))
-
-    def lowered(rows: int) -> str:
-        f = jax.jit(packed_matmul, static_argnums=2)
-        return f.lower(jnp.zeros((rows, 16), jnp.float32), packed, 40).as_text()
-
-    assert cpu_kernels.MATMUL_TARGET in lowered(KERNEL_MAX_ROWS)
-    assert cpu_kernels.MATMUL_TARGET not in lowered(KERNEL_MAX_ROWS + 1)
-
-
-def test_many_rows_take_xla_with_the_same_result() -> None:
-    rows = KERNEL_MAX_ROWS + 8
-    x, w = _operands(rows, 40, 70, seed=4)
+def test_padding_rows_are_zeros_and_real_rows_unchanged() -> None:
+    x, w = _operands(300, 24, 40, seed=6)
     packed = pack_weight(jnp.asarray(w))
-    many = np.asarray(packed_matmul(jnp.asarray(x), packed, 70))
-    few = np.asarray(packed_matmul(jnp.asarray(x[:8]), packed, 70))
-    np.testing.assert_allclose(many, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-3)
-    np.testing.assert_allclose(many[:8], few, rtol=1e-5, atol=1e-5)
+    full = np.asarray(packed_matmul(jnp.asarray(x), packed, 40))
+    for real in (0, 5, 261):
+        part = np.asarray(jax.jit(packed_matmul, static_argnums=2)(
+            jnp.asarray(x), packed, 40, jnp.int32(real)))
+        np.testing.assert_array_equal(part[:real], full[:real])
+        assert not part[real:].any()
+
+
+def test_xla_fallback_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _operands(40, 24, 70, seed=4)
+    packed = pack_weight(jnp.asarray(w))
+    kernel = np.asarray(packed_matmul(jnp.asarray(x), packed, 70))
+    monkeypatch.setattr(packed_linear, "kernels_serve", lambda dtype: False)
+    lowered = jax.jit(packed_matmul, static_argnums=2).lower(jnp.asarray(x), packed, 70)
+    assert cpu_kernels.MATMUL_TARGET not in lowered.as_text()
+    xla = np.asarray(packed_matmul(jnp.asarray(x), packed, 70))
+    np.testing.assert_allclose(xla, kernel, rtol=1e-5, atol=1e-5)
 
 
 def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:

@@ -169,7 +169,9 @@ def packed_matmul_kernel(
     x: jax.Array,  # [M, K] float32
     w: jax.Array,  # [P, K, PANEL] float32: packed column panels
     out_features: int,  # N, (P - 1) * PANEL < N <= P * PANEL
+    num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
 ) -> jax.Array:  # [M, N] float32
     """x @ W with W packed in column panels (see packed_matmul.cc)."""
     out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
-    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w)
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows)

@@ -10,13 +10,17 @@
 // into panels of kPanel output columns, each panel [in, kPanel] contiguous:
 // one sequential stream per panel, read once from memory and reused from cache
 // by every block of rows. Measured on a 2-core AVX-512 VM at 32 rows: 2x the
-// rate of XLA's matmul on the same shapes.
+// rate of XLA's matmul on the same shapes; at 2048 rows level with it on small
+// weights and within ~10% on large ones. Rows are taken in chunks of
+// kRowChunk so a chunk of x stays in cache while the panels pass by.
 //
 // Contract: x [M, K] float32, w [P, K, kPanel] float32 where panel p holds
-// output columns [p * kPanel, (p + 1) * kPanel) (zero-padded past N), y [M, N]
-// float32 with N <= P * kPanel. Each output element is one sequential
-// multiply-add chain over k = 0..K-1, whatever M and the thread count are, so
-// a row's result does not depend on the other rows of the batch.
+// output columns [p * kPanel, (p + 1) * kPanel) (zero-padded past N),
+// num_rows [] int32, y [M, N] float32 with N <= P * kPanel. Rows at or past
+// num_rows are bucket padding: their outputs are zero and cost nothing. Each
+// output element is one sequential multiply-add chain over k = 0..K-1,
+// whatever M and the thread count are, so a row's result does not depend on
+// the other rows of the batch.
 
 #include <algorithm>
 #include <cstdint>
@@ -44,12 +48,13 @@ constexpr int kRowTile = 3;
 
 // How far ahead (in k) the first row tile of a panel asks for panel rows.
 constexpr int kPrefetchRows = 16;
+constexpr int64_t kRowChunk = 256;
 
 struct Problem {
   const float* x;  // [M, K]
   const float* w;  // [P, K, kPanel]
   float* y;        // [M, N]
-  int64_t m, k, n;
+  int64_t m, k, n;  // m: the real rows (num_rows), not the padded M
 };
 
 // y[rows, panel columns] for MR rows starting at row r0 of panel p.
@@ -105,18 +110,22 @@ void TailTile(const Problem& pb, int64_t r0, int64_t p, int rows, bool prefetch)
   }
 }
 
-// Every row of panels [begin, end): the first row tile streams the panel in
-// (prefetching ahead), the others find it in cache.
-void Panels(const Problem& pb, int64_t begin, int64_t end) {
-  for (int64_t p = begin; p < end; ++p) {
-    int64_t r = 0;
-    for (; r + kRowTile <= pb.m; r += kRowTile) Tile<kRowTile>(pb, r, p, r == 0);
-    if (r < pb.m) TailTile(pb, r, p, static_cast<int>(pb.m - r), r == 0);
+// Work items [begin, end) of (row chunk, panel), panels fastest: the first
+// row tile streams a panel in (prefetching ahead), the others find it in cache,
+// and the chunk's rows of x stay cached across its panels.
+void Items(const Problem& pb, int64_t num_panels, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
+    const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
+    int64_t r = r0;
+    for (; r + kRowTile <= r1; r += kRowTile) Tile<kRowTile>(pb, r, p, r == r0);
+    if (r < r1) TailTile(pb, r, p, static_cast<int>(r1 - r), r == r0);
   }
 }
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> num_rows,
+                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
@@ -127,10 +136,14 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       yd[1] <= (wd[0] - 1) * kPanel) {
     return ffi::Error::InvalidArgument("packed matmul: shapes do not match");
   }
-  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]};
-  // Panels cost the same: a few chunks per thread balance a busy pool.
-  esurge_kernels::ParallelFor(pool, wd[0], 4, [&pb](int64_t begin, int64_t end) {
-    Panels(pb, begin, end);
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), rows, xd[1], yd[1]};
+  std::memset(pb.y + rows * pb.n, 0, sizeof(float) * (xd[0] - rows) * pb.n);
+  const int64_t num_panels = wd[0];
+  const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
+  // Items cost about the same: a few chunks per thread balance a busy pool.
+  esurge_kernels::ParallelFor(pool, items, 4, [&pb, num_panels](int64_t begin, int64_t end) {
+    Items(pb, num_panels, begin, end);
   });
   return ffi::Error::Success();
 }
@@ -142,4 +155,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgePackedMatmul, PackedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w, packed
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
