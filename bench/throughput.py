@@ -7,7 +7,8 @@ medians reported. The engine runs with async scheduling on (what a
 throughput-minded deployment sets; `--sync` measures it off).
 
 For the 150M model the script also measures the machine's matmul peak with
-XLA at the model's own weight shapes, at a decode-sized batch (32 rows: the
+XLA at the model's own weight shapes (and, for comparison, the engine's own
+packed-weight matmul kernel at 32 rows), at a decode-sized batch (32 rows: the
 issue's measure) and at a prefill-sized one (2048 rows), and reports the
 fraction of the decode-sized peak the engine reaches, and the fraction of a
 mixed roofline: the time the workload's prefill FLOPs would take at the
@@ -80,23 +81,32 @@ def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float
     return statistics.median(rates), rates
 
 
-def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32, cold: bool = False) -> float:
+def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32, cold: bool = False,
+                      packed: bool = False) -> float:
     """Best FLOP/s of XLA matmuls at the model's weight shapes, `tokens` rows each.
 
     cold: cycle through enough copies of each weight (>= 512 MiB) that every
     matmul streams its weight from memory, as a forward pass over the whole
     model does; otherwise one weight stays cache-resident.
+    packed: the engine's own matmul instead (weights packed in panels, the CPU
+    kernel of esurge.models.packed_linear).
     """
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from esurge.models.packed_linear import pack_weight, packed_matmul
 
     best = 0.0
     for k, n in ((hidden, hidden), (hidden, inter), (inter, hidden), (hidden, 4096)):
         copies = max(1, (512 << 20) // (4 * k * n)) if cold else 1
         x = jnp.asarray(np.random.rand(tokens, k).astype(np.float32))
         weights = [jnp.asarray(np.random.rand(k, n).astype(np.float32)) for _ in range(copies)]
-        f = jax.jit(lambda a, b: a @ b)
+        if packed:
+            weights = [pack_weight(w) for w in weights]
+            f = jax.jit(lambda a, b, n=n: packed_matmul(a, b, n))
+        else:
+            f = jax.jit(lambda a, b: a @ b)
         f(x, weights[0]).block_until_ready()
         reps = max(5, 200 * 32 // tokens, 2 * copies)
         start = time.perf_counter()
@@ -158,6 +168,11 @@ def main() -> None:
             print(f"[{shape}] 32-row matmuls streaming their weights from memory (as a decode "
                   f"step does): {streamed / 1e9:.1f} GFLOP/s; engine = "
                   f"{achieved / streamed:.0%} of it")
+            own, own_streamed = (matmul_peak_flops(hidden, inter, packed=True),
+                                 matmul_peak_flops(hidden, inter, cold=True, packed=True))
+            print(f"[{shape}] the engine's own packed matmul at 32 rows: {own / 1e9:.1f} GFLOP/s "
+                  f"cached, {own_streamed / 1e9:.1f} streamed; engine = {achieved / own:.0%} "
+                  f"of the cached one")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from flax import nnx
 from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
 from esurge.models.packed_linear import PackedLinear
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
-from esurge.models.rope import apply_rope
 
 __all__ = [
     "MLP", "Attention", "DecoderLayer", "Embedding", "InputMajorLinear", "Linear", "RMSNorm",
@@ -192,11 +191,10 @@ class Attention(nnx.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out, k_cache, v_cache = write_and_attend(
             q, k, v, kv[0], kv[1], slot_mapping, metadata, scale=self.scale,
             sliding_window=self.sliding_window, chunk_size=self.chunk_size,
-            softcap=self.softcap, block_pages=block_pages,
+            softcap=self.softcap, block_pages=block_pages, rope=rope,
         )
         return (self.o_proj(out.reshape(t, self.num_heads * self.head_dim), metadata.num_tokens),
                 (k_cache, v_cache))

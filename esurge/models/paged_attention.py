@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from esurge.models.cpu_kernels import kernels_serve, paged_attention_kernel
+from esurge.models.rope import apply_rope
 
 __all__ = [
     "GATHER_BUDGET_BYTES", "MAX_BLOCK_PAGES", "AttentionBackend", "AttentionMetadata",
@@ -260,9 +261,11 @@ def write_and_attend(
     chunk_size: int | None = None,
     softcap: float | None = None,
     block_pages: int | None = None,
+    rope: tuple[jax.Array, jax.Array] | None = None,  # cos, sin [T, head_dim]
     backend: AttentionBackend = AttentionBackend.AUTO,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], k_cache, v_cache
-    """write_kv then paged_attention, by the backend chosen (see AttentionBackend).
+    """(apply_rope to q and k,) write_kv, then paged_attention, by the backend
+    chosen (see AttentionBackend); the kernel rotates on the fly.
 
     block_pages tunes the XLA path only (the kernel walks 16-key blocks).
     Rows past metadata.num_tokens are padding: their output is unspecified.
@@ -272,8 +275,10 @@ def write_and_attend(
         out, k_cache, v_cache = paged_attention_kernel(
             q, k, v, slot_mapping, k_cache, v_cache, metadata.positions, metadata.token_req,
             metadata.page_tables, metadata.num_tokens, scale=scale,
-            sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap)
+            sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap, rope=rope)
         return out, k_cache, v_cache
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
     out = paged_attention(q, k_cache, v_cache, metadata, scale=scale,
                           sliding_window=sliding_window, chunk_size=chunk_size,

@@ -83,6 +83,36 @@ def test_kernel_matches_xla_and_dense(window: int | None, chunk: int | None,
         np.testing.assert_allclose(kern[0][row], want, atol=2e-5, err_msg=f"row {row}")
 
 
+def test_fused_rope_equals_rotating_first() -> None:
+    # The kernel rotates q and the new k itself when given the tables; the XLA
+    # path applies apply_rope first. Both must agree, on the output and on the
+    # keys written to the cache.
+    case, keys, values = build_case(seed=12)
+    rng = np.random.default_rng(9)
+    num, t = int(case["num_tokens"]), case["q"].shape[0]
+    new_k = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
+    new_v = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
+    slots = np.zeros(t, np.int32)
+    for row in range(num):
+        r, pos = case["token_req"][row], case["positions"][row]
+        slots[row] = case["tables"][r][pos // PAGE] * PAGE + pos % PAGE
+    angles = np.outer(case["positions"], rng.uniform(0.01, 1.0, DIM // 2)).astype(np.float32)
+    rope = (jnp.asarray(np.cos(np.concatenate([angles, angles], -1))),
+            jnp.asarray(np.sin(np.concatenate([angles, angles], -1))))
+    results = {}
+    for backend in (AttentionBackend.CPU_KERNEL, AttentionBackend.XLA):
+        k_cache, v_cache = fill_cache(case, keys, values)
+        results[backend] = _run(backend, case, k_cache, v_cache, new_k, new_v, slots, rope=rope)
+    kern, xla = results[AttentionBackend.CPU_KERNEL], results[AttentionBackend.XLA]
+    np.testing.assert_allclose(kern[0][:num], xla[0][:num], atol=1e-5)
+    np.testing.assert_allclose(kern[1], xla[1], atol=1e-6)
+    np.testing.assert_array_equal(kern[2], xla[2])
+    # and the rotation really happened: the unrotated run writes other keys
+    plain = _run(AttentionBackend.CPU_KERNEL, case, *fill_cache(case, keys, values), new_k,
+                 new_v, slots)
+    assert np.abs(plain[1] - kern[1]).max() > 0.1
+
+
 def test_invalid_slots_and_pages_never_touch_memory_outside_the_pool() -> None:
     case, keys, values = build_case(seed=3)
     case = dict(case, tables=np.where(case["tables"] > 0, case["tables"], 10_000))

@@ -146,21 +146,28 @@ def paged_attention_kernel(
     sliding_window: int | None,
     chunk_size: int | None,
     softcap: float | None,
+    rope: tuple[jax.Array, jax.Array] | None = None,  # cos, sin [T, head_dim]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(attention [T, num_heads, head_dim], k_cache, v_cache) with k, v written first.
 
-    Same result as write_kv followed by the pure-JAX paged attention (see the
-    .cc file); the caches are updated in place when the caller donates them.
+    Same result as (apply_rope to q and k when rope is given, then) write_kv
+    followed by the pure-JAX paged attention (see the .cc file); the caches
+    are updated in place when the caller donates them.
     """
+    if rope is None:
+        cos = sin = jnp.zeros((1, q.shape[-1]), jnp.float32)  # unread
+    else:
+        cos, sin = (t.astype(jnp.float32) for t in rope)
     cache = jax.ShapeDtypeStruct(k_cache.shape, jnp.float32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), cache, cache),
                             input_output_aliases={4: 1, 5: 2})
     out, k_cache, v_cache = call(
         q, k, v, slot_mapping.astype(jnp.int32), k_cache, v_cache,
         positions.astype(jnp.int32), token_req.astype(jnp.int32),
-        page_tables.astype(jnp.int32), jnp.asarray(num_tokens, jnp.int32),
+        page_tables.astype(jnp.int32), jnp.asarray(num_tokens, jnp.int32), cos, sin,
         scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
         chunk_size=np.int64(chunk_size or 0), softcap=np.float32(softcap or 0.0),
+        rotate=rope is not None,
     )
     return out, k_cache, v_cache
 

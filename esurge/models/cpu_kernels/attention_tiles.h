@@ -17,6 +17,8 @@ struct Problem {
   const float* q;             // [T, H, D]
   const float* k;             // [NP, PS, KV, D]
   const float* v;             // [NP, PS, KV, D]
+  const float* cos;           // [T, D] RoPE tables, or nullptr: no rotation
+  const float* sin;           // [T, D]
   const int32_t* positions;   // [T]
   const int32_t* token_req;   // [T]
   const int32_t* tables;      // [R, P]
@@ -25,6 +27,15 @@ struct Problem {
   int64_t window, chunk;
   float scale, softcap;
 };
+
+// x rotated by row t's RoPE tables into out (D values), as apply_rope in
+// esurge/models/rope.py: x * cos + rotate_half(x) * sin, rotate_half(x) being
+// (-x[D/2:], x[:D/2]).
+inline void Rotate(const float* x, const float* cos, const float* sin, int64_t d, float* out) {
+  const int64_t half = d / 2;
+  for (int64_t e = 0; e < half; ++e) out[e] = x[e] * cos[e] - x[e + half] * sin[e];
+  for (int64_t e = half; e < d; ++e) out[e] = x[e] * cos[e] + x[e - half] * sin[e];
+}
 
 constexpr int kQueryBlock = 16;  // rows of one request sharing each loaded key block
 constexpr int kKeyBlock = 16;    // keys per block: one 512-bit vector of scores
