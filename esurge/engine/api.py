@@ -143,28 +143,33 @@ class eSurge:
 
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None,
                callback: Any, *, request_id: str | None = None, priority: int = 0,
-               cache_salt: str | None = None) -> str:
-        """Validate and queue one request; outputs go to callback on the engine thread.
+               cache_salt: str | None = None, final_only: bool = False) -> str:
+        """Validate and queue one request; outputs go to callback on the engine thread
+        (each step's, or with final_only the finished one only).
 
         Blocks until the engine thread accepted it (at most one step)."""
         rid, accepted = self.submit_nowait(prompt, sampling_params, callback,
                                            request_id=request_id, priority=priority,
-                                           cache_salt=cache_salt)
+                                           cache_salt=cache_salt, final_only=final_only)
         accepted.result()
         return rid
 
     def submit_nowait(self, prompt: Prompt, sampling_params: SamplingParams | None,
                       callback: Any, *, request_id: str | None = None, priority: int = 0,
-                      cache_salt: str | None = None) -> tuple[str, Future[None]]:
+                      cache_salt: str | None = None, final_only: bool = False
+                      ) -> tuple[str, Future[None]]:
         """Like submit, without waiting: the future fails if the engine refuses it.
 
-        Input errors that need no engine state still raise ValueError at once."""
+        Input errors that need no engine state still raise ValueError at once.
+        final_only: the callback gets the finished output (or the engine's
+        error) only, not one per step."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         eos = self.inputs.eos_token_id
         future = self._loop.submit(rid, prepared.prompt, prepared.prompt_token_ids,
                                    prepared.params,
-                                   lambda ids: prepared.engine_requests(ids, eos), callback)
+                                   lambda ids: prepared.engine_requests(ids, eos), callback,
+                                   final_only)
         return rid, future
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -189,7 +194,8 @@ class eSurge:
             futures = []
             for i, (prompt, p) in enumerate(zip(plist, params, strict=True)):
                 prio = priorities[i] if priorities is not None else 0
-                rid, accepted = self.submit_nowait(prompt, p, on_output, priority=prio)
+                rid, accepted = self.submit_nowait(prompt, p, on_output, priority=prio,
+                                                   final_only=True)
                 ids.append(rid)
                 futures.append(accepted)
             for accepted in futures:

@@ -42,6 +42,7 @@ class _Submit:
     make_requests: Callable[[list[str]], list[EngineRequest]]
     callback: OutputCallback
     accepted: Future[None]
+    final_only: bool = False
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class EngineLoop:
         self.processor = processor
         self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
+        self._final_only: set[str] = set()  # requests whose callback wants the last output only
         self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
@@ -73,16 +75,18 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                params: SamplingParams, make_requests: Callable[[list[str]], list[EngineRequest]],
-               callback: OutputCallback) -> Future[None]:
+               callback: OutputCallback, final_only: bool = False) -> Future[None]:
         """Queue a request. The future resolves once the scheduler accepted it,
         or fails with the scheduler's ValueError. make_requests builds the
-        engine requests for the given sample ids (on the loop thread)."""
+        engine requests for the given sample ids (on the loop thread).
+        final_only: the callback gets the finished output only (no per-step
+        snapshots to build and discard)."""
         accepted: Future[None] = Future()
         if not self.alive:
             accepted.set_exception(EngineDeadError("the engine is not running"))
             return accepted
         self._commands.put(_Submit(request_id, prompt, prompt_token_ids, params,
-                                   make_requests, callback, accepted))
+                                   make_requests, callback, accepted, final_only))
         return accepted
 
     def abort(self, request_id: str) -> None:
@@ -144,6 +148,8 @@ class EngineLoop:
             cmd.accepted.set_exception(exc)
             return
         self._callbacks[cmd.request_id] = cmd.callback
+        if cmd.final_only:
+            self._final_only.add(cmd.request_id)
         cmd.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
@@ -151,6 +157,7 @@ class EngineLoop:
         if child_ids:
             self.core.abort_requests(child_ids)
         self._callbacks.pop(request_id, None)
+        self._final_only.discard(request_id)
 
     def _step(self) -> None:
         outputs = self.core.step()
@@ -161,9 +168,13 @@ class EngineLoop:
                 self.core.abort_requests(processed.stopped_by_string,
                                          EngineRequestStatus.FINISHED_STOPPED)
             for request_output in processed.request_outputs:
-                callback = self._callbacks.get(request_output.request_id)
+                rid = request_output.request_id
+                callback = self._callbacks.get(rid)
                 if request_output.finished:
-                    self._callbacks.pop(request_output.request_id, None)
+                    self._callbacks.pop(rid, None)
+                    self._final_only.discard(rid)
+                elif rid in self._final_only:
+                    continue
                 if callback is not None:
                     self._deliver(callback, snapshot(request_output))
 
@@ -176,6 +187,7 @@ class EngineLoop:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         callbacks, self._callbacks = self._callbacks, {}
+        self._final_only.clear()
         for request_id, callback in callbacks.items():
             self.processor.abort(request_id)
             self._deliver(callback, error)

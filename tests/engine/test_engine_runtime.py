@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from transformers import AutoConfig
@@ -66,3 +68,24 @@ def test_no_config_derives_one_from_the_checkpoint(tiny_llama_dir: Path,
     # the shared (synchronous) engine.
     want = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in want]
+
+
+def test_final_only_callbacks_get_just_the_finished_output(engine: eSurge) -> None:
+    got: dict[str, list] = {"every": [], "final": []}
+    done = threading.Semaphore(0)
+
+    def collect(kind: str) -> Callable[[object], None]:
+        def on_output(item: object) -> None:
+            got[kind].append(item)
+            if getattr(item, "finished", True):
+                done.release()
+        return on_output
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.submit([5, 6, 7], params, collect("every"))
+    engine.submit([5, 6, 7], params, collect("final"), final_only=True)
+    done.acquire(timeout=60)
+    done.acquire(timeout=60)
+    assert len(got["every"]) > 1 and not any(o.finished for o in got["every"][:-1])
+    assert [o.finished for o in got["final"]] == [True]
+    assert got["final"][0].outputs[0].token_ids == got["every"][-1].outputs[0].token_ids
