@@ -59,7 +59,8 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w
   }
   const int64_t lanes = rows * group;
   const int64_t padded_lanes = (lanes + kMaxLaneTile - 1) / kMaxLaneTile * kMaxLaneTile;
-  w.kt.assign(static_cast<size_t>(d * kKeyBlock), 0.f);
+  // kt is written whole before each use (only when transposing): no zeroing.
+  w.kt.resize(static_cast<size_t>(d * kKeyBlock));
   w.acc.assign(static_cast<size_t>(padded_lanes * d), 0.f);
   w.m.assign(static_cast<size_t>(padded_lanes), -INFINITY);
   w.l.assign(static_cast<size_t>(padded_lanes), 0.f);
