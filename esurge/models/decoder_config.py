@@ -171,6 +171,12 @@ class DecoderConfig:
             raise ValueError("packed_weights=True needs fused_projections=True")
 
     @property
+    def fused_gate_activation(self) -> bool:
+        """The packed gate/up projection applies SiLU and the product itself
+        (esurge.models.packed_linear.PackedGateUp): packed, SiLU, no MLP bias."""
+        return self.packed_weights and self.activation is Activation.SILU and not self.mlp_bias
+
+    @property
     def num_layers(self) -> int:
         """Decoder layers."""
         return len(self.layers)

@@ -25,7 +25,7 @@ from flax import nnx
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
-from esurge.models.packed_linear import pack_weight
+from esurge.models.packed_linear import pack_gate_up, pack_weight
 
 __all__ = ["fuse_projections", "pack_projections"]
 
@@ -66,11 +66,15 @@ def _packed(linear: dict[str, Any], input_major: bool) -> dict[str, Any]:
     return {**linear, "weight": pack_weight(weight)}
 
 
-def _pack_layer(layer: dict[str, Any]) -> dict[str, Any]:
+def _pack_layer(config: DecoderConfig, layer: dict[str, Any]) -> dict[str, Any]:
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
     attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True)
     attn["o_proj"] = _packed(attn["o_proj"], input_major=False)
-    mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True)
+    if config.fused_gate_activation:
+        mlp["gate_up_proj"] = {"weight": pack_gate_up(mlp["gate_up_proj"]["weight"],
+                                                      config.intermediate_size)}
+    else:
+        mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True)
     mlp["down_proj"] = _packed(mlp["down_proj"], input_major=False)
     return {**layer, "self_attn": attn, "mlp": mlp}
 
@@ -83,7 +87,7 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype
     if config.packed_weights:
         return config, state
     packed_config = dataclasses.replace(config, packed_weights=True)
-    params = _map_layers(state.params, _pack_layer)
+    params = _map_layers(state.params, lambda layer: _pack_layer(packed_config, layer))
     if params.get("lm_head") is not None:
         params["lm_head"] = _packed(params["lm_head"], input_major=False)
     return packed_config, _state_for(packed_config, params, dtype)

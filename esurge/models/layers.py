@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
-from esurge.models.packed_linear import PackedLinear
+from esurge.models.packed_linear import PackedGateUp, PackedLinear
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 
 __all__ = [
@@ -128,7 +128,10 @@ class MLP(nnx.Module):
         if not config.fused_projections:
             self.gate_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
             self.up_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
-            self.gate_up_proj: AnyLinear | None = None
+            self.gate_up_proj: AnyLinear | PackedGateUp | None = None
+        elif config.fused_gate_activation:
+            self.gate_up_proj = PackedGateUp(h, i, dtype=dtype)
+            self.gate_proj = self.up_proj = None
         else:
             self.gate_up_proj = serving_linear(config, h, 2 * i, bias=bias, dtype=dtype,
                                                fused=True)
@@ -139,6 +142,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array,  # [T, hidden]
                  num_rows: jax.Array | None = None) -> jax.Array:  # [] real rows of x
+        if isinstance(self.gate_up_proj, PackedGateUp):  # activation in the matmul
+            return self.down_proj(self.gate_up_proj(x, num_rows), num_rows)
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x, num_rows)
             gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]

@@ -21,8 +21,10 @@ from flax import nnx
 
 from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
 
-__all__ = ["PANEL", "PackedLinear", "num_panels", "pack_weight", "packed_matmul",
-           "unpack_weight"]
+__all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
+           "packed_matmul", "packed_silu_mul", "unpack_weight"]
+
+_HALF = PANEL // 2  # gate (or up) columns per panel of a PackedGateUp
 
 
 def num_panels(out_features: int) -> int:
@@ -58,6 +60,44 @@ def packed_matmul(
         return packed_matmul_kernel(x, packed, out_features, num_rows)
     y = jnp.einsum("tk,pkn->tpn", x, packed).reshape(x.shape[0], -1)
     return y[:, :out_features]
+
+
+def pack_gate_up(weight: jax.Array, intermediate: int) -> jax.Array:  # [in, 2I] -> [P, in, PANEL]
+    """A fused gate/up weight (gate columns first) packed for the SiLU epilogue:
+    panel p holds gate columns [16p, 16p + 16) then the same up columns."""
+    k = weight.shape[0]
+    p = -(-intermediate // _HALF)
+    halves = [jnp.pad(part, ((0, 0), (0, p * _HALF - intermediate))).reshape(k, p, _HALF)
+              for part in (weight[:, :intermediate], weight[:, intermediate:])]
+    return jnp.concatenate(halves, axis=-1).transpose(1, 0, 2)
+
+
+def packed_silu_mul(
+    x: jax.Array,  # [T, in]
+    packed: jax.Array,  # [P, in, PANEL] from pack_gate_up
+    intermediate: int,
+    num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
+) -> jax.Array:  # [T, intermediate]
+    """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
+    (so the [T, 2I] product is never written); XLA elsewhere."""
+    if x.dtype == jnp.float32 and packed.dtype == jnp.float32 and kernels_serve(jnp.float32):
+        return packed_matmul_kernel(x, packed, intermediate, num_rows, silu_mul=True)
+    y = jnp.einsum("tk,pkn->tpn", x, packed)
+    gate = y[..., :_HALF].reshape(x.shape[0], -1)[:, :intermediate]
+    up = y[..., _HALF:].reshape(x.shape[0], -1)[:, :intermediate]
+    return jax.nn.silu(gate) * up
+
+
+class PackedGateUp(nnx.Module):
+    """silu(x W_gate) * (x W_up) with both weights packed by pack_gate_up (no biases)."""
+
+    def __init__(self, in_features: int, intermediate: int, *, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.zeros((-(-intermediate // _HALF), in_features, PANEL), dtype))
+        self.intermediate = intermediate
+
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
+                 ) -> jax.Array:  # [T, in] -> [T, intermediate]
+        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows)
 
 
 class PackedLinear(nnx.Module):

@@ -25,7 +25,14 @@ from esurge.models.decoder_config import (
     RopeConfig,
     RopeType,
 )
-from esurge.models.packed_linear import PANEL, pack_weight, packed_matmul, unpack_weight
+from esurge.models.packed_linear import (
+    PANEL,
+    pack_gate_up,
+    pack_weight,
+    packed_matmul,
+    packed_silu_mul,
+    unpack_weight,
+)
 from tests.models.conftest import Pair
 from tests.models.paged import PagedSession, Row
 
@@ -88,6 +95,36 @@ def test_xla_fallback_gives_the_same_result(monkeypatch: pytest.MonkeyPatch) -> 
     np.testing.assert_allclose(xla, kernel, rtol=1e-5, atol=1e-5)
 
 
+def _silu_mul_reference(x: np.ndarray, w: np.ndarray, inter: int) -> np.ndarray:
+    gate_up = x.astype(np.float64) @ w.astype(np.float64)
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+@pytest.mark.parametrize(("rows", "k", "inter"), [(1, 16, 16), (13, 40, 70), (300, 24, 40)])
+def test_silu_epilogue_matches_the_reference(rows: int, k: int, inter: int) -> None:
+    x, w = _operands(rows, k, 2 * inter, seed=rows + inter)
+    x[0, :] *= 30.0  # large gates on both sides: the sigmoid must not overflow
+    packed = pack_gate_up(jnp.asarray(w), inter)
+    assert packed.shape == (-(-inter // 16), k, PANEL)
+    got = np.asarray(jax.jit(packed_silu_mul, static_argnums=2)(jnp.asarray(x), packed, inter))
+    want = _silu_mul_reference(x, w, inter)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-4 * np.sqrt(k))
+    part = np.asarray(packed_silu_mul(jnp.asarray(x), packed, inter, jnp.int32(rows // 2)))
+    np.testing.assert_array_equal(part[:rows // 2], got[:rows // 2])
+    assert not part[rows // 2:].any()
+
+
+def test_silu_epilogue_xla_fallback_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w = _operands(9, 24, 2 * 40, seed=2)
+    packed = pack_gate_up(jnp.asarray(w), 40)
+    kernel = np.asarray(packed_silu_mul(jnp.asarray(x), packed, 40))
+    monkeypatch.setattr(packed_linear, "kernels_serve", lambda dtype: False)
+    np.testing.assert_allclose(np.asarray(packed_silu_mul(jnp.asarray(x), packed, 40)), kernel,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:
     x, w = _operands(32, 256, 96, seed=8)
     packed = pack_weight(jnp.asarray(w))
@@ -114,6 +151,12 @@ def test_serving_load_packs_every_projection_and_keeps_the_logits(
     hidden = loaded.config.hidden_size
     attn = params["model"]["layers"][0]["self_attn"]
     assert attn["o_proj"]["weight"].shape == (-(-hidden // PANEL), hidden, PANEL)
+    gate_up = params["model"]["layers"][0]["mlp"]["gate_up_proj"]["weight"]
+    inter = loaded.config.intermediate_size
+    if loaded.config.fused_gate_activation:  # SiLU: gate/up half-panels, activation fused
+        assert gate_up.shape == (-(-inter // 16), hidden, PANEL)
+    else:  # GELU (gemma2): plain panels of the [2I] output
+        assert gate_up.shape == (-(-2 * inter // PANEL), hidden, PANEL)
     if loaded.config.qkv_bias:  # biases stay [out]
         c = loaded.config
         assert attn["qkv_proj"]["bias"].shape == ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim,)

@@ -48,7 +48,7 @@ MATMUL_TARGET = "esurge_packed_matmul"
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc")
-_HEADERS = (_HERE / "attention_tiles.h", _HERE / "parallel_for.h")
+_HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC")
 _lock = threading.Lock()
@@ -177,8 +177,9 @@ def packed_matmul_kernel(
     w: jax.Array,  # [P, K, PANEL] float32: packed column panels
     out_features: int,  # N, (P - 1) * PANEL < N <= P * PANEL
     num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
+    silu_mul: bool = False,  # w interleaves gate/up half-panels; y = silu(gate) * up
 ) -> jax.Array:  # [M, N] float32
     """x @ W with W packed in column panels (see packed_matmul.cc)."""
     out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
-    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows)
+    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows, silu_mul=silu_mul)

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace esurge_attention {
 
 struct Problem {
@@ -46,26 +48,7 @@ constexpr int kMaxLaneTile = 8;  // lanes sharing each loaded key vector (see At
 // vectorised the wrong way round (across head_dim, with strided loads).
 typedef float Scores __attribute__((vector_size(kKeyBlock * sizeof(float))));
 
-// exp for x <= 0 (softmax arguments), vectorisable, ~2 ulp: 2^n * e^f with
-// f in [-ln2/2, ln2/2] and a degree-6 polynomial. Below -87 it returns 0.
-inline float ExpNonPositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float f = clamped - n * 0.693359375f + n * 2.12194440e-4f;
-  float poly = 1.9875691500e-4f;
-  poly = poly * f + 1.3981999507e-3f;
-  poly = poly * f + 8.3334519073e-3f;
-  poly = poly * f + 4.1665795894e-2f;
-  poly = poly * f + 1.6666665459e-1f;
-  poly = poly * f + 5.0000001201e-1f;
-  poly = poly * f * f + f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &poly, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float result;
-  std::memcpy(&result, &bits, 4);
-  return x < -87.0f ? 0.0f : result;
-}
+using esurge_kernels::ExpNonPositive;
 
 inline float Dot(const float* a, const float* b, int64_t n) {
   // Sixteen independent partial sums let the compiler vectorise without

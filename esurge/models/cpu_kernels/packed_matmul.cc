@@ -21,11 +21,18 @@
 // output element is one sequential multiply-add chain over k = 0..K-1,
 // whatever M and the thread count are, so a row's result does not depend on
 // the other rows of the batch.
+//
+// With silu_mul set (a gated MLP's gate/up projection), each panel holds 16
+// gate columns in its first half and the matching 16 up columns in its second,
+// and y [M, N] gets silu(gate) * up for N <= 16 P features: the activation
+// runs on the accumulators, and the [M, 2N] product is never written.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "fast_exp.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -55,7 +62,19 @@ struct Problem {
   const float* w;  // [P, K, kPanel]
   float* y;        // [M, N]
   int64_t m, k, n;  // m: the real rows (num_rows), not the padded M
+  bool silu_mul;
 };
+
+// silu(gate) * up lane by lane: gate * sigmoid(gate), the sigmoid from
+// e = exp(-|gate|) so the exponential never overflows.
+inline void SiluMul(const float* gate, const float* up, float* out) {
+  for (int j = 0; j < kLanes; ++j) {
+    const float g = gate[j];
+    const float e = esurge_kernels::ExpNonPositive(-std::fabs(g));
+    const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    out[j] = g * sigmoid * up[j];
+  }
+}
 
 // y[rows, panel columns] for MR rows starting at row r0 of panel p.
 template <int MR>
@@ -77,6 +96,18 @@ void Tile(const Problem& pb, int64_t r0, int64_t p, bool prefetch) {
       lo[r] += a * b0;
       hi[r] += a * b1;
     }
+  }
+  if (pb.silu_mul) {
+    const int64_t col = p * kLanes;
+    const int64_t width = std::min<int64_t>(kLanes, pb.n - col);
+    for (int r = 0; r < MR; ++r) {
+      float gate[kLanes], up[kLanes], act[kLanes];
+      std::memcpy(gate, &lo[r], sizeof(Vec));
+      std::memcpy(up, &hi[r], sizeof(Vec));
+      SiluMul(gate, up, act);
+      std::memcpy(pb.y + (r0 + r) * pb.n + col, act, sizeof(float) * width);
+    }
+    return;
   }
   const int64_t col = p * kPanel;
   const int64_t width = std::min<int64_t>(kPanel, pb.n - col);
@@ -125,19 +156,21 @@ void Items(const Problem& pb, int64_t num_panels, int64_t begin, int64_t end) {
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> num_rows,
-                            ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::ResultBuffer<ffi::F32> y, bool silu_mul) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [P, K, 32], y [M, N]");
   }
-  if (wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
-      yd[1] <= (wd[0] - 1) * kPanel) {
+  const int64_t per_panel = silu_mul ? kLanes : kPanel;  // output columns of a panel
+  if (wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] > wd[0] * per_panel ||
+      yd[1] <= (wd[0] - 1) * per_panel) {
     return ffi::Error::InvalidArgument("packed matmul: shapes do not match");
   }
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), rows, xd[1], yd[1]};
+  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), rows, xd[1], yd[1],
+                   silu_mul};
   std::memset(pb.y + rows * pb.n, 0, sizeof(float) * (xd[0] - rows) * pb.n);
   const int64_t num_panels = wd[0];
   const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
@@ -156,4 +189,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgePackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // num_rows
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<bool>("silu_mul"));
