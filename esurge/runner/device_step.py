@@ -30,13 +30,19 @@ def model_step(
     batch: ForwardBatch,
     prev_tokens: jax.Array,  # [max_rows] int32: last step's sampled tokens
     prev_index: jax.Array,  # [T] int32: >= 0 where the input id comes from prev_tokens
-) -> tuple[jax.Array, jax.Array, KVCache]:
-    """(logits [L, V], final hidden [T, H], updated cache)."""
+) -> tuple[jax.Array, jax.Array, KVCache, jax.Array]:
+    """(logits [L, V], final hidden [T, H], updated cache, greedy tokens).
+
+    The greedy tokens (argmax per logits row, as `sample` picks them for the
+    plain greedy variant) come padded to prev_tokens' shape, ready to feed the
+    next step: a plain greedy batch then needs no separate sampling call.
+    """
     fed_back = prev_tokens[jnp.maximum(prev_index, 0)]
     ids = jnp.where(prev_index >= 0, fed_back, batch.input_ids)
     logits, hidden, kv_cache = forward(model_state, kv_cache,
                                        dataclasses.replace(batch, input_ids=ids))
-    return logits, hidden, kv_cache
+    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return logits, hidden, kv_cache, pad_tokens(greedy, prev_tokens.shape[0])
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers",))

@@ -31,7 +31,7 @@ from esurge.runner.buckets import StepBuckets
 from esurge.runner.device_step import model_step, sample_step
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
-from esurge.runner.sampler import SamplerOutput, SamplerVariant
+from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors
 from esurge.runner.spec_decoder import SpecDecoder, SpecStep
 from esurge.runner.step_inputs import StepInputs, build_step_inputs
 from esurge.runner.warmup import warm_up
@@ -41,6 +41,8 @@ from esurge.spec_decode.stats import SpecStatsSnapshot
 __all__ = ["WarmupProgress", "eSurgeRunner"]
 
 log = logging.getLogger(__name__)
+
+_PLAIN_GREEDY = SamplerVariant()  # greedy rows only, no penalties or masks, no logprobs
 
 WarmupProgress = Callable[[int, int, str], None]
 
@@ -148,17 +150,23 @@ class eSurgeRunner:
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
                                    self._prev_index, self.num_spec, self.tiled_attention)
         variant = ib.sampling.variant(inputs.rows)
-        tensors = ib.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
-                                      inputs.sample_positions, variant)
+
+        def tensors() -> SamplingTensors:
+            return ib.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
+                                       inputs.sample_positions, variant)
+
         if self.spec is not None:
             hidden, self.kv_cache, spec_step = self.spec.run(
-                self.model.model_state, self.kv_cache, ib, inputs, tensors, variant)
+                self.model.model_state, self.kv_cache, ib, inputs, tensors(), variant)
             plp = self._prompt_logprobs.compute(ib, inputs, hidden)
             return _Pending(inputs, None, plp, spec=spec_step)
-        logits, hidden, self.kv_cache = model_step(
+        logits, hidden, self.kv_cache, greedy = model_step(
             self.model.model_state, self.kv_cache, inputs.batch, self._prev_tokens,
             inputs.prev_index)
-        sampled, self._prev_tokens = sample_step(logits, tensors, variant, self.max_rows)
+        if variant == _PLAIN_GREEDY:  # the model step's argmax is the sample
+            sampled, self._prev_tokens = SamplerOutput(token_ids=greedy), greedy
+        else:
+            sampled, self._prev_tokens = sample_step(logits, tensors(), variant, self.max_rows)
         self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
         plp = self._prompt_logprobs.compute(ib, inputs, hidden)
         return _Pending(inputs, sampled, plp)

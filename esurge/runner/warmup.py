@@ -135,7 +135,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     logits_of: dict[int, jax.Array] = {}
     for tokens, requests, tile in _with_tiles(shapes, runner.tiled_attention):
         batch = _padding_batch(runner, tokens, requests, tile=tile)
-        logits, hidden, runner.kv_cache = model_step(
+        logits, hidden, runner.kv_cache, _ = model_step(
             runner.model.model_state, runner.kv_cache, batch, runner._prev_tokens,
             prev_index[tokens])
         jax.block_until_ready(logits)
