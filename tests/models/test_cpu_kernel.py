@@ -49,23 +49,31 @@ def _run(backend: AttentionBackend, case: dict, k_cache: jax.Array, v_cache: jax
     return np.asarray(out), np.asarray(k_new), np.asarray(v_new)
 
 
+def _step_writes(case: dict, rng: np.random.Generator
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This step's new keys and values [T, KV, D] and their slots [T]: each real
+    row writes its own position; padding rows write into the null page, as the
+    runner does."""
+    t = case["q"].shape[0]
+    new_k = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
+    new_v = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
+    slots = np.zeros(t, np.int32)
+    for row in range(int(case["num_tokens"])):
+        r, pos = case["token_req"][row], case["positions"][row]
+        slots[row] = case["tables"][r][pos // PAGE] * PAGE + pos % PAGE
+    return new_k, new_v, slots
+
+
 @pytest.mark.parametrize(("window", "chunk", "softcap"), [
     (None, None, None), (5, None, None), (None, 6, None), (None, None, 1.5), (9, None, 2.0),
 ])
 def test_kernel_matches_xla_and_dense(window: int | None, chunk: int | None,
                                       softcap: float | None) -> None:
     case, keys, values = build_case(seed=11)
-    rng = np.random.default_rng(5)
     num = int(case["num_tokens"])
-    t = case["q"].shape[0]
-    # This step's rows write their own key/value (the last `new` positions of
-    # each request); padding rows write into the null page, as the runner does.
-    new_k = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
-    new_v = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
-    slots = np.zeros(t, np.int32)
-    for row in range(num):
+    new_k, new_v, slots = _step_writes(case, np.random.default_rng(5))
+    for row in range(num):  # what the dense reference must see
         r, pos = case["token_req"][row], case["positions"][row]
-        slots[row] = case["tables"][r][pos // PAGE] * PAGE + pos % PAGE
         keys[r][pos], values[r][pos] = new_k[row], new_v[row]
     mask = {"sliding_window": window, "chunk_size": chunk, "softcap": softcap}
     results = {}
@@ -89,13 +97,8 @@ def test_fused_rope_equals_rotating_first() -> None:
     # keys written to the cache.
     case, keys, values = build_case(seed=12)
     rng = np.random.default_rng(9)
-    num, t = int(case["num_tokens"]), case["q"].shape[0]
-    new_k = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
-    new_v = rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32)
-    slots = np.zeros(t, np.int32)
-    for row in range(num):
-        r, pos = case["token_req"][row], case["positions"][row]
-        slots[row] = case["tables"][r][pos // PAGE] * PAGE + pos % PAGE
+    num = int(case["num_tokens"])
+    new_k, new_v, slots = _step_writes(case, rng)
     angles = np.outer(case["positions"], rng.uniform(0.01, 1.0, DIM // 2)).astype(np.float32)
     rope = (jnp.asarray(np.cos(np.concatenate([angles, angles], -1))),
             jnp.asarray(np.sin(np.concatenate([angles, angles], -1))))
