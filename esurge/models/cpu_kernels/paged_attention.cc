@@ -40,6 +40,24 @@ namespace {
 
 using namespace esurge_attention;  // NOLINT: the kernel's own arithmetic
 
+// Element offsets into the caches of keys [from, from + n) of kv head h: one
+// division per block, then a walk along the page table (a division per key
+// cost as much as the decode arithmetic itself). Pages outside the pool read
+// page 0, never memory outside it.
+void SlotOffsets(const Problem& p, const int32_t* table, int64_t h, int64_t from, int64_t n,
+                 int64_t* out) {
+  auto valid = [&](int64_t page) { return page < 0 || page >= p.num_pages ? 0 : page; };
+  int64_t index = from / p.page_size, offset = from - index * p.page_size;
+  int64_t page = valid(table[index]);
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = ((page * p.page_size + offset) * p.kv_heads + h) * p.dim;
+    if (++offset == p.page_size && j + 1 < n) {
+      offset = 0;
+      page = valid(table[++index]);
+    }
+  }
+}
+
 // One query block (rows [r0, r1) of one request) and one kv head: the group of
 // query heads sharing that kv head, online softmax over key blocks.
 void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w) {
@@ -76,37 +94,35 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w
     const float* sin = p.sin + (r0 + i) * d;
     for (int64_t g = 0; g < group; ++g) Rotate(q + g * d, cos, sin, d, staged + g * d);
   }
-  auto slot = [&](int64_t key_pos) -> int64_t {
-    int64_t page = table[key_pos / p.page_size];
-    if (page < 0 || page >= p.num_pages) page = 0;  // never read outside the pool
-    return ((page * p.page_size + key_pos % p.page_size) * p.kv_heads + h) * d;
-  };
   // Transposing a key block pays off only when several query heads reuse it;
   // a lone decode row takes direct dot products instead.
   const bool transpose = lanes >= 4;
   KeyBlock blk;
+  int64_t cur[kKeyBlock], next[kKeyBlock];
+  SlotOffsets(p, table, h, kmin, std::min<int64_t>(kKeyBlock, kmax - kmin + 1), cur);
   for (int64_t kb = kmin; kb <= kmax; kb += kKeyBlock) {
     const int64_t nk = std::min<int64_t>(kKeyBlock, kmax - kb + 1);
     blk.kb = kb;
     blk.nk = nk;
     for (int64_t j = 0; j < nk; ++j) {
-      blk.keys[j] = p.k + slot(kb + j);
-      blk.values[j] = p.v + slot(kb + j);
+      blk.keys[j] = p.k + cur[j];
+      blk.values[j] = p.v + cur[j];
     }
     // The next block's slots sit on other pages the hardware prefetcher cannot
     // predict; ask for them now so they arrive while this block computes.
-    for (int64_t j = kb + kKeyBlock; j < std::min(kb + 2 * kKeyBlock, kmax + 1); ++j) {
-      const float* next_k = p.k + slot(j);
-      const float* next_v = p.v + slot(j);
+    const int64_t next_n = std::min<int64_t>(kKeyBlock, kmax - (kb + kKeyBlock) + 1);
+    if (next_n > 0) SlotOffsets(p, table, h, kb + kKeyBlock, next_n, next);
+    for (int64_t j = 0; j < next_n; ++j) {
       for (int64_t e = 0; e < d; e += 16) {
-        __builtin_prefetch(next_k + e);
-        __builtin_prefetch(next_v + e);
+        __builtin_prefetch(p.k + next[j] + e);
+        __builtin_prefetch(p.v + next[j] + e);
       }
     }
     for (int64_t j = 0; transpose && j < kKeyBlock; ++j) {
       for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? blk.keys[j][e] : 0.f;
     }
     ForEachLaneTile(p, w, blk, first, last, rows, group, lanes, transpose);
+    std::copy(next, next + std::max<int64_t>(next_n, 0), cur);
   }
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t g = 0; g < group; ++g) {
