@@ -22,7 +22,7 @@ from flax import nnx
 from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
-           "packed_matmul", "packed_silu_mul", "unpack_weight"]
+           "packed_matmul", "packed_silu_mul"]
 
 _HALF = PANEL // 2  # gate (or up) columns per panel of a PackedGateUp
 
@@ -39,10 +39,8 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
     return padded.reshape(k, -1, PANEL).transpose(1, 0, 2)
 
 
-def unpack_weight(packed: jax.Array, out_features: int) -> jax.Array:  # [P, in, PANEL]
-    """The input-major weight [in, out_features] back from its packed form."""
-    p, k, _ = packed.shape
-    return packed.transpose(1, 0, 2).reshape(k, p * PANEL)[:, :out_features]
+def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
+    return x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)
 
 
 def packed_matmul(
@@ -56,7 +54,7 @@ def packed_matmul(
     Rows at or past num_rows are padding: the kernel returns zeros for them
     without computing them; the XLA path computes them like the others.
     """
-    if x.dtype == jnp.float32 and packed.dtype == jnp.float32 and kernels_serve(jnp.float32):
+    if _kernel_takes(x, packed):
         return packed_matmul_kernel(x, packed, out_features, num_rows)
     y = jnp.einsum("tk,pkn->tpn", x, packed).reshape(x.shape[0], -1)
     return y[:, :out_features]
@@ -80,7 +78,7 @@ def packed_silu_mul(
 ) -> jax.Array:  # [T, intermediate]
     """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
     (so the [T, 2I] product is never written); XLA elsewhere."""
-    if x.dtype == jnp.float32 and packed.dtype == jnp.float32 and kernels_serve(jnp.float32):
+    if _kernel_takes(x, packed):
         return packed_matmul_kernel(x, packed, intermediate, num_rows, silu_mul=True)
     y = jnp.einsum("tk,pkn->tpn", x, packed)
     gate = y[..., :_HALF].reshape(x.shape[0], -1)[:, :intermediate]

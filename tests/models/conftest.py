@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from esurge.models import LoadedModel, load_model
+from esurge.models import LoadedModel, cpu_kernels, load_model
 from tests.models.checkpoints import build_model, hf_config, save_checkpoint
 
 torch.set_num_threads(1)
@@ -41,3 +41,11 @@ def make_pair(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pair]:
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def cpu_kernels_built() -> None:
+    """Fails (not skips) where the CPU kernels did not build: a machine without
+    a compiler must still run everything else, but where the kernels are the
+    subject their absence is a failure."""
+    assert cpu_kernels.kernel_available(), "the CPU kernels failed to build (see the log)"
