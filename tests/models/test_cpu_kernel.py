@@ -158,14 +158,20 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 24), (8, 2, 64), (6, 3, 40)])
-def test_kernel_matches_xla_across_head_shapes(heads: int, kv_heads: int, dim: int) -> None:
-    # Head sizes with and without a 16-wide remainder, group sizes 1, 2 and 4; a
-    # 40-token prefill chunk spans three query blocks and several key blocks, a
-    # decode row and a 3-token verification row sit beside it.
+@pytest.mark.parametrize("decode_rows", [0, 70])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"),
+                         [(4, 4, 24), (8, 2, 64), (6, 3, 40), (4, 2, 128)])
+def test_kernel_matches_xla_across_head_shapes(heads: int, kv_heads: int, dim: int,
+                                               decode_rows: int) -> None:
+    # Head sizes with and without a 16-wide remainder (64 and 128 take unrolled
+    # score loops), group sizes 1, 2 and 4; a 40-token prefill chunk spans three
+    # query blocks and several key blocks, a decode row and a 3-token
+    # verification row sit beside it. With 70 more decode rows there are enough
+    # query blocks for the kernel to take all kv heads of a block in one item.
     rng = np.random.default_rng(dim)
-    page, num_pages, max_pages = 8, 30, 8
-    steps = ((40, 0), (1, 33), (3, 17))  # (rows, first position) per request
+    page, num_pages, max_pages = 8, 30 + 7 * decode_rows, 8
+    steps = ((40, 0), (1, 33), (3, 17),  # (rows, first position) per request
+             *((1, 3 + i % 50) for i in range(decode_rows)))
     tables = np.zeros((len(steps), max_pages), np.int32)
     free = list(rng.permutation(np.arange(1, num_pages)))
     positions, token_req = [], []

@@ -49,59 +49,111 @@ constexpr int kMaxLaneTile = 8;  // lanes sharing each loaded key vector (see At
 typedef float Scores __attribute__((vector_size(kKeyBlock * sizeof(float))));
 
 using esurge_kernels::ExpNonPositive;
+using esurge_kernels::ExpNonPositiveVec;
 
-inline float Dot(const float* a, const float* b, int64_t n) {
-  // Sixteen independent partial sums let the compiler vectorise without
-  // reassociating a single accumulator (no -ffast-math needed).
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+// Index vectors for shuffles of two Scores (GCC's __builtin_shuffle; Clang
+// takes the indices as constants of __builtin_shufflevector).
+typedef int32_t ScoreIndex __attribute__((vector_size(kKeyBlock * sizeof(int32_t))));
+#if defined(__clang__)
+#define ESURGE_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define ESURGE_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (ScoreIndex){__VA_ARGS__})
+#endif
+
+// out[j] = the sum of v[j]'s elements, for sixteen vectors at once: four rounds
+// that each halve the partial sums per key by adding two shuffled halves. Thirty
+// shuffles and fifteen adds replace sixteen in-order reductions (a dependent
+// chain of sixteen scalar adds each, which dominated the decode step).
+inline Scores SumEach(const Scores (&v)[kKeyBlock]) {
+  Scores w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i) {
+    w[i] = ESURGE_SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7,
+                          16, 17, 18, 19, 20, 21, 22, 23) +
+           ESURGE_SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                          24, 25, 26, 27, 28, 29, 30, 31);
   }
-  float tail = 0.f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  float s = 0.f;
-  for (int j = 0; j < 16; ++j) s += acc[j];
-  return s + tail;
+  for (int i = 0; i < 4; ++i) {
+    x[i] = ESURGE_SHUFFLE(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11,
+                          16, 17, 18, 19, 24, 25, 26, 27) +
+           ESURGE_SHUFFLE(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15,
+                          20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    y[i] = ESURGE_SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13,
+                          16, 17, 20, 21, 24, 25, 28, 29) +
+           ESURGE_SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15,
+                          18, 19, 22, 23, 26, 27, 30, 31);
+  }
+  return ESURGE_SHUFFLE(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14,
+                        16, 18, 20, 22, 24, 26, 28, 30) +
+         ESURGE_SHUFFLE(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15,
+                        17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Horizontal max and sum of one Scores vector, as trees of shuffles (the
+// in-order loops compile to dependent chains of sixteen scalar operations).
+inline float MaxOf(Scores v) {
+  auto max = [](Scores a, Scores b) { return a > b ? a : b; };
+  v = max(v, ESURGE_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = max(v, ESURGE_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = max(v, ESURGE_SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));
+  return std::max(v[0], v[1]);
+}
+
+inline float SumOf(Scores v) {
+  v += ESURGE_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += ESURGE_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += ESURGE_SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  return v[0] + v[1];
 }
 
 // Scores s of one lane over one key block -> probabilities in place, folding
 // the block into the lane's running max m and denominator l; returns the factor
-// the lane's accumulated values must be rescaled by.
+// the lane's accumulated values must be rescaled by. At least one key of the
+// block is visible to the lane.
 // Inlined into each lane tile so the compiler can overlap the lanes' softmax
 // chains (measured: 1.5% of a prefill step, 3% of a decode step).
 inline __attribute__((always_inline)) float SoftmaxBlock(
     const Problem& p, float* s, int64_t kb, int64_t nk, int64_t first, int64_t last, float& m,
     float& l) {
-  for (int j = 0; j < kKeyBlock; ++j) s[j] *= p.scale;
+  Scores v;
+  std::memcpy(&v, s, sizeof(Scores));
+  v *= p.scale;
   if (p.softcap > 0.f) {
-    for (int j = 0; j < kKeyBlock; ++j) s[j] = std::tanh(s[j] / p.softcap) * p.softcap;
+    for (int j = 0; j < kKeyBlock; ++j) v[j] = std::tanh(v[j] / p.softcap) * p.softcap;
   }
   // Only blocks on a mask edge (causal diagonal, window start, the tail) need
   // per-key masking.
   if (nk < kKeyBlock || kb < first || kb + kKeyBlock - 1 > last) {
     for (int j = 0; j < kKeyBlock; ++j) {
       const int64_t kp = kb + j;
-      if (j >= nk || kp < first || kp > last) s[j] = -INFINITY;
+      if (j >= nk || kp < first || kp > last) v[j] = -INFINITY;
     }
   }
-  float block_max = s[0];
-  for (int j = 1; j < kKeyBlock; ++j) block_max = std::max(block_max, s[j]);
-  const float m_new = std::max(m, block_max);
+  const float m_new = std::max(m, MaxOf(v));
   const float alpha = m == -INFINITY ? 0.f : ExpNonPositive(m - m_new);
-  for (int j = 0; j < kKeyBlock; ++j) s[j] = ExpNonPositive(s[j] - m_new);
-  float sum = 0.f;
-  for (int j = 0; j < kKeyBlock; ++j) sum += s[j];
-  l = l * alpha + sum;
+  v = ExpNonPositiveVec(v - m_new);
+  l = l * alpha + SumOf(v);
   m = m_new;
+  std::memcpy(s, &v, sizeof(Scores));
   return alpha;
 }
 
 struct Scratch {
   std::vector<float> kt;   // [D, kKeyBlock] the key block, transposed
-  std::vector<float> acc;  // [rows * group, D]
-  std::vector<float> m, l; // [rows * group] running max and denominator
-  std::vector<float> qs;   // [rows * group, D] scaled queries
+  std::vector<float> acc;  // [kv heads, padded lanes, D]
+  std::vector<float> m, l; // [kv heads, padded lanes] running max and denominator
+  std::vector<float> qs;   // [kv heads, padded lanes, D] staged queries
+};
+
+// The lanes of one kv head inside a Scratch: lane u of that head is element u
+// of m and l and row u of qs and acc.
+struct Lanes {
+  const float* kt;
+  const float* qs;
+  float* acc;
+  float* m;
+  float* l;
 };
 
 // One loaded key block: its first position, key count and slot pointers.
@@ -111,11 +163,61 @@ struct KeyBlock {
   const float* values[kKeyBlock];
 };
 
+// One lane's scores against a key block in its cache layout (no transpose):
+// a vector of partial products per key, summed across by SumEach. Keys past
+// the block's end score 0 (masked later). Chunks is head_dim / 16 when that is
+// a compile-time case (the query stays in registers and each key's chain is
+// unrolled), 0 for any head_dim.
+template <int Chunks>
+inline Scores ScoreKeys(const float* q, const KeyBlock& blk, int64_t d) {
+  Scores part[kKeyBlock];
+  if constexpr (Chunks > 0) {
+    Scores qv[Chunks];
+    std::memcpy(qv, q, sizeof(qv));
+    for (int j = 0; j < kKeyBlock; ++j) {
+      Scores acc = {};
+      for (int c = 0; c < Chunks && j < blk.nk; ++c) {
+        Scores kv;
+        std::memcpy(&kv, blk.keys[j] + c * kKeyBlock, sizeof(Scores));
+        acc += qv[c] * kv;
+      }
+      part[j] = acc;
+    }
+  } else {
+    const int64_t whole = d / kKeyBlock * kKeyBlock;
+    for (int j = 0; j < kKeyBlock; ++j) {
+      Scores acc = {};
+      if (j < blk.nk) {
+        const float* k = blk.keys[j];
+        for (int64_t e = 0; e < whole; e += kKeyBlock) {
+          Scores qv, kv;
+          std::memcpy(&qv, q + e, sizeof(Scores));
+          std::memcpy(&kv, k + e, sizeof(Scores));
+          acc += qv * kv;
+        }
+        float tail = 0.f;
+        for (int64_t e = whole; e < d; ++e) tail += q[e] * k[e];
+        acc[0] += tail;
+      }
+      part[j] = acc;
+    }
+  }
+  return SumEach(part);
+}
+
+inline Scores ScoreKeysAnyDim(const float* q, const KeyBlock& blk, int64_t d) {
+  switch (d) {
+    case 64: return ScoreKeys<4>(q, blk, d);
+    case 128: return ScoreKeys<8>(q, blk, d);
+    default: return ScoreKeys<0>(q, blk, d);
+  }
+}
+
 // Folds one key block into lanes [0, lanes) (a lane is a (row, query head)
 // pair; lanes past `lanes` are padding), Tile lanes at a time so each loaded
 // key vector and value chunk feeds Tile accumulators.
 template <int Tile>
-void AttendLanes(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_t* first,
+void AttendLanes(const Problem& p, const Lanes& w, const KeyBlock& blk, const int64_t* first,
                  const int64_t* last, int64_t rows, int64_t group, int64_t lanes,
                  bool transpose) {
   const int64_t d = p.dim;
@@ -134,16 +236,14 @@ void AttendLanes(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_
       Scores sv[Tile] = {};
       for (int64_t e = 0; e < d; ++e) {
         Scores kv;
-        std::memcpy(&kv, w.kt.data() + e * kKeyBlock, sizeof(Scores));
+        std::memcpy(&kv, w.kt + e * kKeyBlock, sizeof(Scores));
         for (int u = 0; u < Tile; ++u) sv[u] += w.qs[(l0 + u) * d + e] * kv;
       }
       for (int u = 0; u < Tile; ++u) std::memcpy(s[u], &sv[u], sizeof(Scores));
     } else {
       for (int u = 0; u < Tile; ++u) {
-        for (int j = 0; j < kKeyBlock; ++j) {
-          const bool used = live[u] && j < blk.nk;
-          s[u][j] = used ? Dot(w.qs.data() + (l0 + u) * d, blk.keys[j], d) : 0.f;
-        }
+        const Scores sv = live[u] ? ScoreKeysAnyDim(w.qs + (l0 + u) * d, blk, d) : Scores{};
+        std::memcpy(s[u], &sv, sizeof(Scores));
       }
     }
     for (int u = 0; u < Tile; ++u) {
@@ -159,7 +259,7 @@ void AttendLanes(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_
     for (; e0 + kKeyBlock <= d; e0 += kKeyBlock) {
       Scores acc[Tile];
       for (int u = 0; u < Tile; ++u) {
-        std::memcpy(&acc[u], w.acc.data() + (l0 + u) * d + e0, sizeof(Scores));
+        std::memcpy(&acc[u], w.acc + (l0 + u) * d + e0, sizeof(Scores));
         acc[u] *= alpha[u];
       }
       for (int64_t j = 0; j < blk.nk; ++j) {
@@ -168,11 +268,11 @@ void AttendLanes(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_
         for (int u = 0; u < Tile; ++u) acc[u] += s[u][j] * v;
       }
       for (int u = 0; u < Tile; ++u) {
-        std::memcpy(w.acc.data() + (l0 + u) * d + e0, &acc[u], sizeof(Scores));
+        std::memcpy(w.acc + (l0 + u) * d + e0, &acc[u], sizeof(Scores));
       }
     }
     for (int u = 0; u < Tile && e0 < d; ++u) {
-      float* acc = w.acc.data() + (l0 + u) * d;
+      float* acc = w.acc + (l0 + u) * d;
       for (int64_t e = e0; e < d; ++e) {
         acc[e] *= alpha[u];
         for (int64_t j = 0; j < blk.nk; ++j) acc[e] += s[u][j] * blk.values[j][e];
@@ -183,7 +283,7 @@ void AttendLanes(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_
 
 // Prefill blocks (transposed keys) take wide lane tiles; a decode row's few
 // lanes take the narrowest tile that holds them, so no work goes to padding.
-void ForEachLaneTile(const Problem& p, Scratch& w, const KeyBlock& blk, const int64_t* first,
+void ForEachLaneTile(const Problem& p, const Lanes& w, const KeyBlock& blk, const int64_t* first,
                      const int64_t* last, int64_t rows, int64_t group, int64_t lanes,
                      bool transpose) {
   if (transpose || lanes > 4) {

@@ -40,17 +40,17 @@ namespace {
 
 using namespace esurge_attention;  // NOLINT: the kernel's own arithmetic
 
-// Element offsets into the caches of keys [from, from + n) of kv head h: one
-// division per block, then a walk along the page table (a division per key
-// cost as much as the decode arithmetic itself). Pages outside the pool read
-// page 0, never memory outside it.
-void SlotOffsets(const Problem& p, const int32_t* table, int64_t h, int64_t from, int64_t n,
+// Element offsets into the caches of keys [from, from + n) of kv head 0 (head
+// h is h * dim further): one division per block, then a walk along the page
+// table (a division per key cost as much as the decode arithmetic itself).
+// Pages outside the pool read page 0, never memory outside it.
+void SlotOffsets(const Problem& p, const int32_t* table, int64_t from, int64_t n,
                  int64_t* out) {
   auto valid = [&](int64_t page) { return page < 0 || page >= p.num_pages ? 0 : page; };
   int64_t index = from / p.page_size, offset = from - index * p.page_size;
   int64_t page = valid(table[index]);
   for (int64_t j = 0; j < n; ++j) {
-    out[j] = ((page * p.page_size + offset) * p.kv_heads + h) * p.dim;
+    out[j] = (page * p.page_size + offset) * p.kv_heads * p.dim;
     if (++offset == p.page_size && j + 1 < n) {
       offset = 0;
       page = valid(table[++index]);
@@ -58,14 +58,11 @@ void SlotOffsets(const Problem& p, const int32_t* table, int64_t h, int64_t from
   }
 }
 
-// One query block (rows [r0, r1) of one request) and one kv head: the group of
-// query heads sharing that kv head, online softmax over key blocks.
-void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w) {
-  const int64_t group = p.heads / p.kv_heads, d = p.dim, rows = r1 - r0;
-  const int64_t req = p.token_req[r0];
-  const int32_t* table = p.tables + req * p.max_pages;
-  int64_t first[kQueryBlock], last[kQueryBlock];
-  int64_t kmin = INT64_MAX, kmax = -1;
+// The key range [first, last] each row of [r0, r0 + rows) sees (last < first:
+// none), and the union's bounds kmin, kmax.
+void VisibleKeys(const Problem& p, int64_t r0, int64_t rows, int64_t* first, int64_t* last,
+                 int64_t& kmin, int64_t& kmax) {
+  kmin = INT64_MAX, kmax = -1;
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t pos = p.positions[r0 + i];
     first[i] = 0;
@@ -75,72 +72,94 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h, Scratch& w
     if (pos < 0 || last[i] < first[i] || r0 + i >= p.num_tokens) last[i] = -1, first[i] = 0;
     if (last[i] >= first[i]) kmin = std::min(kmin, first[i]), kmax = std::max(kmax, last[i]);
   }
-  const int64_t lanes = rows * group;
-  const int64_t padded_lanes = (lanes + kMaxLaneTile - 1) / kMaxLaneTile * kMaxLaneTile;
-  // kt is written whole before each use (only when transposing): no zeroing.
-  w.kt.resize(static_cast<size_t>(d * kKeyBlock));
-  w.acc.assign(static_cast<size_t>(padded_lanes * d), 0.f);
-  w.m.assign(static_cast<size_t>(padded_lanes), -INFINITY);
-  w.l.assign(static_cast<size_t>(padded_lanes), 0.f);
-  w.qs.assign(static_cast<size_t>(padded_lanes * d), 0.f);
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* q = p.q + ((r0 + i) * p.heads + h * group) * d;
-    float* staged = w.qs.data() + i * group * d;
-    if (p.cos == nullptr) {
-      for (int64_t j = 0; j < group * d; ++j) staged[j] = q[j];
-      continue;
-    }
-    const float* cos = p.cos + (r0 + i) * d;
-    const float* sin = p.sin + (r0 + i) * d;
-    for (int64_t g = 0; g < group; ++g) Rotate(q + g * d, cos, sin, d, staged + g * d);
-  }
-  // Transposing a key block pays off only when several query heads reuse it;
-  // a lone decode row takes direct dot products instead.
-  const bool transpose = lanes >= 4;
-  KeyBlock blk;
-  int64_t cur[kKeyBlock], next[kKeyBlock];
-  SlotOffsets(p, table, h, kmin, std::min<int64_t>(kKeyBlock, kmax - kmin + 1), cur);
-  for (int64_t kb = kmin; kb <= kmax; kb += kKeyBlock) {
-    const int64_t nk = std::min<int64_t>(kKeyBlock, kmax - kb + 1);
-    blk.kb = kb;
-    blk.nk = nk;
-    for (int64_t j = 0; j < nk; ++j) {
-      blk.keys[j] = p.k + cur[j];
-      blk.values[j] = p.v + cur[j];
-    }
-    // The next block's slots sit on other pages the hardware prefetcher cannot
-    // predict; ask for them now so they arrive while this block computes.
-    const int64_t next_n = std::min<int64_t>(kKeyBlock, kmax - (kb + kKeyBlock) + 1);
-    if (next_n > 0) SlotOffsets(p, table, h, kb + kKeyBlock, next_n, next);
-    for (int64_t j = 0; j < next_n; ++j) {
-      for (int64_t e = 0; e < d; e += 16) {
-        __builtin_prefetch(p.k + next[j] + e);
-        __builtin_prefetch(p.v + next[j] + e);
+}
+
+// Query heads of kv heads [h0, h1) of rows [r0, r0 + rows), rotated when RoPE
+// tables are given, into per-head lane blocks of `stride` lanes.
+void StageQueries(const Problem& p, int64_t r0, int64_t rows, int64_t h0, int64_t h1,
+                  int64_t stride, float* qs) {
+  const int64_t group = p.heads / p.kv_heads, d = p.dim;
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* q = p.q + ((r0 + i) * p.heads + h * group) * d;
+      float* staged = qs + ((h - h0) * stride + i * group) * d;
+      if (p.cos == nullptr) {
+        std::copy(q, q + group * d, staged);
+        continue;
       }
-    }
-    for (int64_t j = 0; transpose && j < kKeyBlock; ++j) {
-      for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? blk.keys[j][e] : 0.f;
-    }
-    ForEachLaneTile(p, w, blk, first, last, rows, group, lanes, transpose);
-    std::copy(next, next + std::max<int64_t>(next_n, 0), cur);
-  }
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t lane = i * group + g;
-      float* out = p.out + ((r0 + i) * p.heads + h * group + g) * d;
-      const float inv = w.l[lane] > 0.f ? 1.f / w.l[lane] : 0.f;
-      const float* acc = w.acc.data() + lane * d;
-      for (int64_t e = 0; e < d; ++e) out[e] = acc[e] * inv;
+      const float* cos = p.cos + (r0 + i) * d;
+      const float* sin = p.sin + (r0 + i) * d;
+      for (int64_t g = 0; g < group; ++g) Rotate(q + g * d, cos, sin, d, staged + g * d);
     }
   }
 }
 
-void AttendRange(const Problem& p, const std::vector<int64_t>& starts, int64_t begin,
-                 int64_t end) {
+// One query block (rows [r0, r1) of one request) and kv heads [h0, h1): each
+// head's group of query heads, online softmax over key blocks. Heads share a
+// key block's slots, and consecutive heads of a slot are adjacent in the cache,
+// so taking them together reads the block as one run.
+void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h0, int64_t h1,
+                 Scratch& w) {
+  const int64_t group = p.heads / p.kv_heads, d = p.dim, rows = r1 - r0;
+  const int32_t* table = p.tables + p.token_req[r0] * p.max_pages;
+  int64_t first[kQueryBlock], last[kQueryBlock], kmin, kmax;
+  VisibleKeys(p, r0, rows, first, last, kmin, kmax);
+  const int64_t lanes = rows * group, heads = h1 - h0;
+  const int64_t stride = (lanes + kMaxLaneTile - 1) / kMaxLaneTile * kMaxLaneTile;
+  // kt is written whole before each use (only when transposing): no zeroing.
+  w.kt.resize(static_cast<size_t>(d * kKeyBlock));
+  w.acc.assign(static_cast<size_t>(heads * stride * d), 0.f);
+  w.m.assign(static_cast<size_t>(heads * stride), -INFINITY);
+  w.l.assign(static_cast<size_t>(heads * stride), 0.f);
+  w.qs.assign(static_cast<size_t>(heads * stride * d), 0.f);
+  StageQueries(p, r0, rows, h0, h1, stride, w.qs.data());
+  // Transposing a key block pays off only when several query heads reuse it;
+  // a lone decode row takes direct dot products instead.
+  const bool transpose = lanes >= 4;
+  // No software prefetch of the next block's pages: measured slower at both one
+  // and two threads (prefetches fill the line buffers the loads need).
+  KeyBlock blk;
+  int64_t slots[kKeyBlock];
+  for (int64_t kb = kmin; kb <= kmax; kb += kKeyBlock) {
+    const int64_t nk = std::min<int64_t>(kKeyBlock, kmax - kb + 1);
+    blk.kb = kb;
+    blk.nk = nk;
+    SlotOffsets(p, table, kb, nk, slots);
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t j = 0; j < nk; ++j) {
+        blk.keys[j] = p.k + slots[j] + h * d;
+        blk.values[j] = p.v + slots[j] + h * d;
+      }
+      for (int64_t j = 0; transpose && j < kKeyBlock; ++j) {
+        for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? blk.keys[j][e] : 0.f;
+      }
+      const int64_t base = (h - h0) * stride;
+      const Lanes view{w.kt.data(), w.qs.data() + base * d, w.acc.data() + base * d,
+                       w.m.data() + base, w.l.data() + base};
+      ForEachLaneTile(p, view, blk, first, last, rows, group, lanes, transpose);
+    }
+  }
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t lane = (h - h0) * stride + i * group + g;
+        float* out = p.out + ((r0 + i) * p.heads + h * group + g) * d;
+        const float inv = w.l[lane] > 0.f ? 1.f / w.l[lane] : 0.f;
+        const float* acc = w.acc.data() + lane * d;
+        for (int64_t e = 0; e < d; ++e) out[e] = acc[e] * inv;
+      }
+    }
+  }
+}
+
+// Work items are (query block, run of heads_per_item kv heads) pairs.
+void AttendRange(const Problem& p, const std::vector<int64_t>& starts, int64_t heads_per_item,
+                 int64_t begin, int64_t end) {
   Scratch scratch;
+  const int64_t runs = p.kv_heads / heads_per_item;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / p.kv_heads;
-    AttendBlock(p, starts[b], starts[b + 1], item % p.kv_heads, scratch);
+    const int64_t b = item / runs, h0 = item % runs * heads_per_item;
+    AttendBlock(p, starts[b], starts[b + 1], h0, h0 + heads_per_item, scratch);
   }
 }
 
@@ -240,15 +259,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.softcap = softcap;
   const int64_t rows = qd[0];
   // Rows past num_tokens only need zeroing, done here at once; the work items
-  // are (query block, kv head) pairs over the real rows.
+  // are (query block, kv heads) pairs over the real rows.
   const std::vector<int64_t> starts = QueryBlocks(p);
-  const int64_t items = static_cast<int64_t>(starts.size() - 1) * p.kv_heads;
+  const int64_t blocks = static_cast<int64_t>(starts.size() - 1);
+  // All kv heads of a block in one item (one run through its slots) unless
+  // that leaves threads idle, e.g. a lone long decode row.
+  const int64_t heads_per_item = blocks >= 4 * pool.num_threads() ? p.kv_heads : 1;
+  const int64_t items = blocks * (p.kv_heads / heads_per_item);
   std::memset(p.out + p.num_tokens * p.heads * p.dim, 0,
               sizeof(float) * (rows - p.num_tokens) * p.heads * p.dim);
   // Items differ in cost (later causal blocks see more keys): cut finely.
-  esurge_kernels::ParallelFor(pool, items, 16, [&p, &starts](int64_t begin, int64_t end) {
-    AttendRange(p, starts, begin, end);
-  });
+  esurge_kernels::ParallelFor(pool, items, 16,
+                              [&p, &starts, heads_per_item](int64_t begin, int64_t end) {
+                                AttendRange(p, starts, heads_per_item, begin, end);
+                              });
   return ffi::Error::Success();
 }
 
