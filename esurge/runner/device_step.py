@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward
 from esurge.models.kv_cache import KVCache
+from esurge.runner.packed_inputs import InputLayout
 from esurge.runner.sampler import (
     SamplerOutput,
     SamplerVariant,
@@ -23,20 +24,23 @@ __all__ = ["model_step", "model_step_features", "pad_tokens", "prompt_logprobs_s
            "sample_step"]
 
 
-@partial(jax.jit, donate_argnums=(1,))
+@partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
 def model_step(
     model_state: ModelState,
     kv_cache: KVCache,
-    batch: ForwardBatch,
+    inputs: jax.Array,  # [layout.size] int32: the step's arrays, packed (pack_inputs)
     prev_tokens: jax.Array,  # [max_rows] int32: last step's sampled tokens
-    prev_index: jax.Array,  # [T] int32: >= 0 where the input id comes from prev_tokens
+    layout: InputLayout,
 ) -> tuple[jax.Array, jax.Array, KVCache, jax.Array]:
     """(logits [L, V], final hidden [T, H], updated cache, greedy tokens).
 
-    The greedy tokens (argmax per logits row, as `sample` picks them for the
-    plain greedy variant) come padded to prev_tokens' shape, ready to feed the
-    next step: a plain greedy batch then needs no separate sampling call.
+    inputs holds the ForwardBatch arrays and prev_index ([T]: >= 0 where the
+    input id comes from prev_tokens), one transfer for the whole step. The
+    greedy tokens (argmax per logits row, as `sample` picks them for the plain
+    greedy variant) come padded to prev_tokens' shape, ready to feed the next
+    step: a plain greedy batch then needs no separate sampling call.
     """
+    batch, prev_index = layout.unpack(inputs)
     fed_back = prev_tokens[jnp.maximum(prev_index, 0)]
     ids = jnp.where(prev_index >= 0, fed_back, batch.input_ids)
     logits, hidden, kv_cache = forward(model_state, kv_cache,

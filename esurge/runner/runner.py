@@ -30,6 +30,7 @@ from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.runner.buckets import StepBuckets
 from esurge.runner.device_step import model_step, sample_step
 from esurge.runner.input_batch import InputBatch
+from esurge.runner.packed_inputs import pack_inputs
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
 from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors
 from esurge.runner.spec_decoder import SpecDecoder, SpecStep
@@ -160,9 +161,9 @@ class eSurgeRunner:
                 self.model.model_state, self.kv_cache, ib, inputs, tensors(), variant)
             plp = self._prompt_logprobs.compute(ib, inputs, hidden)
             return _Pending(inputs, None, plp, spec=spec_step)
+        flat, layout = pack_inputs(inputs.batch, inputs.prev_index)
         logits, hidden, self.kv_cache, greedy = model_step(
-            self.model.model_state, self.kv_cache, inputs.batch, self._prev_tokens,
-            inputs.prev_index)
+            self.model.model_state, self.kv_cache, flat, self._prev_tokens, layout)
         if variant == _PLAIN_GREEDY:  # the model step's argmax is the sample
             sampled, self._prev_tokens = SamplerOutput(token_ids=greedy), greedy
         else:

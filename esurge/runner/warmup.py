@@ -18,6 +18,7 @@ from esurge.runner.device_step import (
     prompt_logprobs_step,
     sample_step,
 )
+from esurge.runner.packed_inputs import pack_inputs
 from esurge.runner.sampler import MAX_LOGPROBS, SamplerVariant
 from esurge.runner.spec_sampler import verify_jit
 from esurge.runner.step_inputs import StepInputs, query_tiles_for_bucket
@@ -134,10 +135,10 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     # placement metadata and would fill different cache entries.
     logits_of: dict[int, jax.Array] = {}
     for tokens, requests, tile in _with_tiles(shapes, runner.tiled_attention):
-        batch = _padding_batch(runner, tokens, requests, tile=tile)
+        flat, layout = pack_inputs(_padding_batch(runner, tokens, requests, tile=tile),
+                                   prev_index[tokens])
         logits, hidden, runner.kv_cache, _ = model_step(
-            runner.model.model_state, runner.kv_cache, batch, runner._prev_tokens,
-            prev_index[tokens])
+            runner.model.model_state, runner.kv_cache, flat, runner._prev_tokens, layout)
         jax.block_until_ready(logits)
         logits_of[requests], hidden_of[tokens] = logits, hidden
         tick(f"model step tokens={tokens} requests={requests} tile={tile}")
