@@ -297,6 +297,8 @@ void ForEachLaneTile(const Problem& p, const Lanes& w, const KeyBlock& blk, cons
   }
 }
 
+#undef ESURGE_SHUFFLE
+
 }  // namespace esurge_attention
 
 #endif  // ESURGE_MODELS_CPU_KERNELS_ATTENTION_TILES_H_
