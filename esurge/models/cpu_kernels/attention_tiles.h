@@ -63,7 +63,7 @@ typedef int32_t ScoreIndex __attribute__((vector_size(kKeyBlock * sizeof(int32_t
 // out[j] = the sum of v[j]'s elements, for sixteen vectors at once: four rounds
 // that each halve the partial sums per key by adding two shuffled halves. Thirty
 // shuffles and fifteen adds replace sixteen in-order reductions (a dependent
-// chain of sixteen scalar adds each, which dominated the decode step).
+// chain of sixteen scalar adds per key: the decode path's largest compute cost).
 inline Scores SumEach(const Scores (&v)[kKeyBlock]) {
   Scores w[8], x[4], y[2];
   for (int i = 0; i < 8; ++i) {
