@@ -99,6 +99,26 @@ class InputBatch:
         self.num_pages[:, dst] = self.num_pages[:, src]
         self.sampling.move_row(src, dst)
 
+    def record_sampled(self, req_ids: list[str], sampled: np.ndarray,  # [R] bool
+                       positions: np.ndarray,  # [R] int32
+                       tokens: np.ndarray,  # [>= R] int32
+                       ) -> None:
+        """Write request i's sampled token tokens[i] at positions[i] where
+        sampled[i], in one scatter; requests no longer in the batch (preempted
+        by a step dispatched since) are skipped."""
+        n = len(req_ids)
+        rows = np.fromiter((self.row_of.get(r, -1) for r in req_ids), np.int64, n)
+        keep = sampled & (rows >= 0)
+        rows, positions, tokens = rows[keep], positions[keep], tokens[:n][keep]
+        if not len(rows):
+            return
+        if int(positions.max()) >= self.max_model_len:
+            bad = self.req_ids[int(rows[int(positions.argmax())])]
+            raise ValueError(f"request {bad!r} would exceed max_model_len")
+        self.token_ids[rows, positions] = tokens
+        self.num_known[rows] = np.maximum(self.num_known[rows], positions + 1)
+        self.sampling.observe_rows(rows, tokens)
+
     def record_tokens(self, row: int, start: int, tokens: list[int]) -> None:
         """Write tokens at positions [start, start + len) once their ids are known."""
         end = start + len(tokens)

@@ -199,18 +199,10 @@ class eSurgeRunner:
         if inputs is None or sampled is None:
             return ModelRunnerOutput.empty()
         tokens = np.asarray(sampled.token_ids)
-        ib = self.input_batch
-        sampled_ids: list[list[int]] = []
-        for i, req_id in enumerate(inputs.req_ids):
-            if not inputs.samples[i]:
-                sampled_ids.append([])
-                continue
-            token = int(tokens[i])
-            sampled_ids.append([token])
-            row = ib.row_of.get(req_id)
-            if row is not None:  # gone when preempted by the next, already dispatched, step
-                ib.record_tokens(row, int(inputs.seq_lens[i]), [token])
-                ib.sampling.observe(row, [token])
+        n = len(inputs.req_ids)
+        sampled_ids = [[token] if sampled_row else [] for token, sampled_row
+                       in zip(tokens[:n].tolist(), inputs.samples.tolist(), strict=True)]
+        self.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},

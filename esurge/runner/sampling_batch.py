@@ -103,6 +103,7 @@ class SamplingBatch:
         self.repetition = np.ones(max_rows, np.float32)
         self.num_logprobs = np.full(max_rows, -1, np.int32)
         self.dense: list[DenseRowState | None] = [None] * max_rows
+        self._num_dense = 0  # rows whose dense entry is not None
 
     def set_row(self, row: int, params: SamplingParams, prompt: list[int], output: list[int],
                 eos_token_id: int | None) -> None:
@@ -117,17 +118,21 @@ class SamplingBatch:
         self.frequency[row] = params.frequency_penalty
         self.repetition[row] = params.repetition_penalty
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        self.dense[row] = (
+        self._put_dense(row, (
             DenseRowState.create(params, prompt, output, eos_token_id, self.vocab_size)
             if _needs_dense(params) else None
-        )
+        ))
+
+    def _put_dense(self, row: int, state: DenseRowState | None) -> None:
+        self._num_dense += (state is not None) - (self.dense[row] is not None)
+        self.dense[row] = state
 
     def move_row(self, src: int, dst: int) -> None:
         """Move a row (condensing the batch after removals)."""
         for arr in (self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
                     self.presence, self.frequency, self.repetition, self.num_logprobs):
             arr[dst] = arr[src]
-        self.dense[dst] = self.dense[src]
+        self._put_dense(dst, self.dense[src])
         self.clear_row(src)
 
     def clear_row(self, row: int) -> None:
@@ -137,7 +142,7 @@ class SamplingBatch:
         self.top_p[row] = 1.0
         self.min_p[row] = 0.0
         self.num_logprobs[row] = -1
-        self.dense[row] = None
+        self._put_dense(row, None)
 
     def observe(self, row: int, tokens: list[int]) -> None:
         """Feed generated tokens to a row's dense state, if it has one."""
@@ -145,11 +150,20 @@ class SamplingBatch:
         if state is not None:
             state.observe(tokens)
 
+    def observe_rows(self, rows: np.ndarray,  # [n] row indices
+                     tokens: np.ndarray,  # [n] one generated token per row
+                     ) -> None:
+        """observe() for one token per row; rows without dense state cost nothing."""
+        if not self._num_dense:
+            return
+        for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
+            self.observe(row, [token])
+
     def variant(self, rows: np.ndarray) -> SamplerVariant:
         """The static features the given rows need.  rows: [n] row indices."""
         return SamplerVariant(
             all_greedy=not bool((self.temperature[rows] > 0).any()),
-            dense=any(self.dense[r] is not None for r in rows.tolist()),
+            dense=self._num_dense > 0 and any(self.dense[r] is not None for r in rows.tolist()),
             logprobs=bool((self.num_logprobs[rows] >= 0).any()),
         )
 
