@@ -4,7 +4,9 @@ W1: 32 prompts of 64-128 tokens cut from the Python standard library's source,
 64 new tokens each, greedy, ignore_eos, float32, all submitted at once. One
 warm-up set, then timed sets of fresh prompts (the prefix cache cannot help);
 medians reported. The engine runs with async scheduling on (what a
-throughput-minded deployment sets; `--sync` measures it off).
+throughput-minded deployment sets; `--sync` measures it off) and decode bursts
+of 8 iterations (`--decode-steps`; a comma list such as 1,8 measures each, one
+engine after the other, the first value's rate is the one compared).
 
 For the 150M model the script also measures the machine's matmul peak with
 XLA at the model's own weight shapes (and, for comparison, the engine's own
@@ -18,6 +20,7 @@ memory, so the script also measures 32-row matmuls over weights too many to
 cache, the rate a memory-bound decode step can reach at best.
 
     .venv/bin/python bench/throughput.py [--models tiny,150m] [--sets 3] [--hf-sets 1] [--sync]
+        [--decode-steps 8]
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from bench.common import MODEL_SHAPES, make_checkpoint, timed, workload_w1
 NEW_TOKENS = 64
 
 
-def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_scheduling: bool
-                        ) -> tuple[float, list[float], float]:
+def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_scheduling: bool,
+                        decode_steps: int) -> tuple[float, list[float], float]:
     from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
 
     config = Config(
@@ -48,7 +51,7 @@ def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_sche
     )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
-    llm = eSurge(model_dir, config, show_progress=False)
+    llm = eSurge(model_dir, config, show_progress=False, decode_steps=decode_steps)
     compile_s = time.perf_counter() - start
     try:
         llm.generate(sets[0], params)
@@ -142,16 +145,22 @@ def main() -> None:
     parser.add_argument("--hf-sets", type=int, default=1, help="timed sets for transformers")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--sync", action="store_true", help="async scheduling off")
+    parser.add_argument("--decode-steps", default="8",
+                        help="decode iterations per burst; a comma list measures each")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="esurge-bench-"))
     for shape in args.models.split(","):
         model_dir = make_checkpoint(workdir / shape, shape)
         sets = workload_w1(model_dir, num_sets=1 + args.sets)
-        ours, our_runs, compile_s = engine_tokens_per_s(model_dir, sets, not args.sync)
+        results = [(k, *engine_tokens_per_s(model_dir, sets, not args.sync, k))
+                   for k in (int(v) for v in args.decode_steps.split(","))]
         theirs, hf_runs = hf_tokens_per_s(model_dir, sets[:1 + args.hf_sets])
-        print(f"[{shape}] eSurge {ours:,.0f} tok/s (runs {[round(r) for r in our_runs]}, "
-              f"warm-up+load {compile_s:.1f}s) | transformers {theirs:,.0f} tok/s "
-              f"(runs {[round(r) for r in hf_runs]}) | ratio {ours / theirs:.2f}x")
+        for k, rate, runs, compile_s in results:
+            print(f"[{shape}] eSurge (decode_steps={k}) {rate:,.0f} tok/s (runs "
+                  f"{[round(r) for r in runs]}, warm-up+load {compile_s:.1f}s) | transformers "
+                  f"{theirs:,.0f} tok/s (runs {[round(r) for r in hf_runs]}) | ratio "
+                  f"{rate / theirs:.2f}x")
+        ours = results[0][1]
         if shape == "150m":
             hidden, _, _, _, inter = MODEL_SHAPES[shape]
             peak, prefill_peak = matmul_peak_flops(hidden, inter), matmul_peak_flops(

@@ -145,6 +145,22 @@ class SamplingParams:
         """True when sampling reduces to argmax."""
         return self.temperature == 0.0
 
+    @property
+    def uses_token_state(self) -> bool:
+        """True when the next token depends on per-vocabulary state beyond the
+        logits: penalties, a bias or allow-list, bad words, min_tokens."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.allowed_token_ids is not None
+            or self.bad_words_token_ids or self.min_tokens > 0
+        )
+
+    @property
+    def plain_greedy(self) -> bool:
+        """True when each token is the argmax of the raw logits and nothing else
+        is asked per token (no logprobs): a decode burst may run it."""
+        return self.greedy and not self.uses_token_state and self.logprobs is None
+
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError when a token id named here is outside the vocabulary."""
         checks: list[tuple[str, tuple[int, ...]]] = [

@@ -92,7 +92,8 @@ def _build_engine(args: argparse.Namespace, config: Config, dtype: str) -> eSurg
     from esurge.engine.api import eSurge  # imports JAX: only once the flags are good
 
     _enable_compile_cache()
-    return eSurge(args.model, config, dtype=dtype, show_progress=sys.stderr.isatty())
+    return eSurge(args.model, config, dtype=dtype, show_progress=sys.stderr.isatty(),
+                  decode_steps=args.decode_steps)
 
 
 def _start_engine_thread(args: argparse.Namespace, config: Config,

@@ -181,6 +181,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "max-num-seqs (default: the engine's choice)")
     sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        default=False, help="schedule step N+1 while step N runs")
+    sched.add_argument("--decode-steps", type=_int_at_least(1), default=1,
+                       help="decode iterations per step while every running request decodes "
+                            "greedily with no per-token options and none waits: the same "
+                            "tokens, less host work, streamed in chunks of up to this many "
+                            "(default: %(default)s, off)")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--num-pages", type=_int_at_least(1), default=None,
                        help="KV pages in the pool (default: sized from free memory)")
@@ -233,6 +238,9 @@ def _resolve_max_model_len(args: argparse.Namespace, model_max_len: int | None) 
 
 def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     model = args.speculative_model
+    if args.decode_steps > 1 and (model is not None or args.num_speculative_tokens > 0):
+        raise FlagError("--decode-steps", f"{args.decode_steps} iterations per step cannot be "
+                        "combined with speculative decoding")
     if model is None and args.num_speculative_tokens > 0:
         # Without a draft model the engine would not speculate: refuse rather than ignore.
         raise FlagError("--num-speculative-tokens",

@@ -91,13 +91,17 @@ class eSurge:
 
     model_dir holds config.json, *.safetensors and (optionally) tokenizer.json;
     without a tokenizer, prompts must be token ids. config None derives one
-    from the checkpoint (see default_config).
+    from the checkpoint (see default_config). decode_steps > 1 lets a step run
+    that many decode iterations when every running request is in plain greedy
+    decode and none waits (esurge/scheduler/decode_burst.py): the same tokens,
+    less host work per token, deltas of up to decode_steps tokens.
     """
 
     def __init__(self, model_dir: str | Path, config: Config | None = None,
                  dtype: str = "float32", *, tokenizer_dir: str | Path | None = None,
                  memory_fraction: float = 0.25, warmup: bool = True,
-                 show_progress: bool = True, min_token_bucket: int = 16) -> None:
+                 show_progress: bool = True, min_token_bucket: int = 16,
+                 decode_steps: int = 1) -> None:
         model_path = Path(model_dir)
         self.model = load_model(model_path, dtype)
         self.config = config if config is not None else default_config(self.model)
@@ -105,7 +109,7 @@ class eSurge:
         self.tokenizer = _load_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_path)
         self.runner = eSurgeRunner(self.model, _effective_config(self.config),
                                    memory_fraction=memory_fraction,
-                                   min_token_bucket=min_token_bucket)
+                                   min_token_bucket=min_token_bucket, decode_steps=decode_steps)
         self.scheduler = Scheduler.from_runner(
             self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
         self.warmup_seconds = (self.runner.warmup(_print_progress if show_progress else None)

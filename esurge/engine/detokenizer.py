@@ -33,11 +33,16 @@ class IncrementalDetokenizer:
         self.text = ""  # all text so far (truncated at a stop string once found)
         self._sent = 0  # characters of `text` already returned
         self.stop_string: str | None = None
+        # Tokens of the last update() up to and including the one that completed
+        # a stop string (all of them when none did): the caller drops the rest.
+        self.consumed = 0
 
     def update(self, new_token_ids: list[int], finished: bool = False) -> str:
         """Feed tokens; return the text delta that is safe to show now."""
+        self.consumed = 0
         if self.stop_string is None:
             for token_id in new_token_ids:
+                self.consumed += 1
                 chunk = self._stream.step(self._tokenizer, token_id)
                 if chunk:
                     start = len(self.text)

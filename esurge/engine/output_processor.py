@@ -121,23 +121,30 @@ class OutputProcessor:
         for event in out.events or ():
             if event.type is EngineCoreEventType.SCHEDULED and metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = event.timestamp
-        comp.delta_token_ids = list(out.new_token_ids)
-        comp.token_ids.extend(out.new_token_ids)
-        if out.new_token_ids:
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            metrics.token_times.extend([now] * len(out.new_token_ids))
-        if comp.logprobs is not None and out.new_logprobs:
-            comp.logprobs.extend(out.new_logprobs)
-        comp.num_draft_tokens += out.num_draft_tokens
-        comp.num_accepted_tokens += out.num_accepted_tokens
+        new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
         stopped = False
         if sample.detok is not None:
-            comp.delta_text = sample.detok.update(out.new_token_ids, finished=out.finished)
+            comp.delta_text = sample.detok.update(new_ids, finished=out.finished)
             comp.text += comp.delta_text
-            if sample.detok.stop_string is not None and not out.finished:
+            cut = sample.detok.stop_string is not None and sample.detok.consumed < len(new_ids)
+            if cut:
+                # A step that brought several tokens (a decode burst, accepted
+                # drafts) ends at the one that completed the stop string.
+                new_ids = new_ids[:sample.detok.consumed]
+                new_logprobs = new_logprobs[:len(new_ids)] if new_logprobs else new_logprobs
+            if sample.detok.stop_string is not None and (cut or not out.finished):
                 comp.finish_reason, comp.stop_reason = "stop", sample.detok.stop_string
                 stopped = True
+        comp.delta_token_ids = list(new_ids)
+        comp.token_ids.extend(new_ids)
+        if new_ids:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.token_times.extend([now] * len(new_ids))
+        if comp.logprobs is not None and new_logprobs:
+            comp.logprobs.extend(new_logprobs)
+        comp.num_draft_tokens += out.num_draft_tokens
+        comp.num_accepted_tokens += out.num_accepted_tokens
         if out.finished and comp.finish_reason is None:
             comp.finish_reason = str(out.finish_reason)
             comp.stop_reason = out.stop_reason

@@ -20,8 +20,8 @@ from esurge.runner.sampler import (
     token_logprobs,
 )
 
-__all__ = ["model_step", "model_step_features", "pad_tokens", "prompt_logprobs_step",
-           "sample_step"]
+__all__ = ["decode_burst_step", "model_step", "model_step_features", "pad_tokens",
+           "prompt_logprobs_step", "sample_step"]
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
@@ -40,13 +40,62 @@ def model_step(
     greedy variant) come padded to prev_tokens' shape, ready to feed the next
     step: a plain greedy batch then needs no separate sampling call.
     """
-    batch, prev_index = layout.unpack(inputs)
-    fed_back = prev_tokens[jnp.maximum(prev_index, 0)]
-    ids = jnp.where(prev_index >= 0, fed_back, batch.input_ids)
+    batch, prev_index, _ = layout.unpack(inputs)
+    ids = _fed_back_ids(batch, prev_index, prev_tokens)
     logits, hidden, kv_cache = forward(model_state, kv_cache,
                                        dataclasses.replace(batch, input_ids=ids))
-    greedy = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
-    return logits, hidden, kv_cache, pad_tokens(greedy, prev_tokens.shape[0])
+    return logits, hidden, kv_cache, pad_tokens(_argmax(logits), prev_tokens.shape[0])
+
+
+def _fed_back_ids(batch: ForwardBatch, prev_index: jax.Array,  # [T]
+                  prev_tokens: jax.Array,  # [max_rows]
+                  ) -> jax.Array:
+    """[T] input ids with the in-flight ones read from the previous step's tokens."""
+    return jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.input_ids)
+
+
+def _argmax(logits: jax.Array  # [L, V]
+            ) -> jax.Array:
+    """[L] int32 greedy tokens, as `sample` picks them for the plain greedy variant."""
+    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
+def decode_burst_step(
+    model_state: ModelState,
+    kv_cache: KVCache,
+    inputs: jax.Array,  # [layout.size] int32: a burst's arrays, packed (pack_inputs)
+    prev_tokens: jax.Array,  # [max_rows] int32: last step's sampled tokens
+    layout: InputLayout,
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """(greedy tokens [K, R], updated cache, the last iteration's tokens padded
+    to [max_rows] for the next step) of a K-iteration decode burst.
+
+    Iteration j runs every request one token on from iteration j - 1, whose
+    argmax tokens are its inputs, with the keys and values going to the j-th
+    burst slot mapping. Rows are one token per request (R = logits rows).
+    """
+    batch, prev_index, later_slots = layout.unpack(inputs)
+    if later_slots is None:
+        raise ValueError("decode_burst_step needs a layout packed with burst slots")
+    real = batch.seq_lens > 0  # [R] padding requests keep seq_len 0
+
+    def iteration(carry: tuple[KVCache, jax.Array], j: jax.Array
+                  ) -> tuple[tuple[KVCache, jax.Array], jax.Array]:
+        kv, ids = carry
+        slots = jnp.concatenate([batch.slot_mapping[None], later_slots])[j]
+        step = dataclasses.replace(batch, input_ids=ids, positions=batch.positions + j,
+                                   slot_mapping=slots,
+                                   seq_lens=jnp.where(real, batch.seq_lens + j, 0))
+        logits, _, kv = forward(model_state, kv, step)
+        tokens = _argmax(logits)
+        # Request i owns token row i (one token each), so its next input sits there.
+        return (kv, pad_tokens(tokens[:ids.shape[0]], ids.shape[0])), tokens
+
+    first_ids = _fed_back_ids(batch, prev_index, prev_tokens)
+    (kv_cache, _), tokens = jax.lax.scan(iteration, (kv_cache, first_ids),
+                                         jnp.arange(layout.num_steps))
+    return tokens, kv_cache, pad_tokens(tokens[-1], prev_tokens.shape[0])
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers",))

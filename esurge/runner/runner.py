@@ -28,7 +28,7 @@ from esurge.models.loader import LoadedModel
 from esurge.models.paged_attention import kernel_serves
 from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.runner.buckets import StepBuckets
-from esurge.runner.device_step import model_step, sample_step
+from esurge.runner.device_step import decode_burst_step, model_step, sample_step
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.packed_inputs import pack_inputs
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
@@ -79,9 +79,17 @@ class eSurgeRunner:
     """
 
     def __init__(self, model: LoadedModel, config: Config, *, memory_fraction: float = 0.25,
-                 min_token_bucket: int = 16) -> None:
+                 min_token_bucket: int = 16, decode_steps: int = 1) -> None:
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
+            raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
+        if decode_steps > 1 and config.num_speculative_tokens:
+            raise ValueError(f"decode_steps={decode_steps} with speculative decoding is not "
+                             "supported: a step either verifies drafts or runs a decode burst")
+        # Decode iterations per step when the scheduler can take a burst
+        # (Scheduler.from_runner reads this); warm-up compiles the burst program.
+        self.decode_steps = decode_steps
         sched, cache = config.scheduler_config, config.cache_config
         self.model = model
         self.config = config
@@ -161,7 +169,15 @@ class eSurgeRunner:
                 self.model.model_state, self.kv_cache, ib, inputs, tensors(), variant)
             plp = self._prompt_logprobs.compute(ib, inputs, hidden)
             return _Pending(inputs, None, plp, spec=spec_step)
-        flat, layout = pack_inputs(inputs.batch, inputs.prev_index)
+        flat, layout = pack_inputs(inputs.batch, inputs.prev_index, inputs.burst_slots)
+        if inputs.num_steps > 1:
+            if variant != _PLAIN_GREEDY:
+                raise ValueError("a decode burst was scheduled for requests that are not plain "
+                                 "greedy (SamplingParams.plain_greedy)")
+            tokens, self.kv_cache, self._prev_tokens = decode_burst_step(
+                self.model.model_state, self.kv_cache, flat, self._prev_tokens, layout)
+            self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
+            return _Pending(inputs, SamplerOutput(token_ids=tokens), {})
         logits, hidden, self.kv_cache, greedy = model_step(
             self.model.model_state, self.kv_cache, flat, self._prev_tokens, layout)
         if variant == _PLAIN_GREEDY:  # the model step's argmax is the sample
@@ -200,9 +216,16 @@ class eSurgeRunner:
             return ModelRunnerOutput.empty()
         tokens = np.asarray(sampled.token_ids)
         n = len(inputs.req_ids)
-        sampled_ids = [[token] if sampled_row else [] for token, sampled_row
-                       in zip(tokens[:n].tolist(), inputs.samples.tolist(), strict=True)]
-        self.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens)
+        if inputs.num_steps > 1:  # [K, R]: every request samples each iteration
+            sampled_ids = tokens[:, :n].T.tolist()
+            for j in range(inputs.num_steps):
+                self.input_batch.record_sampled(inputs.req_ids, inputs.samples,
+                                                inputs.seq_lens + j, tokens[j])
+        else:
+            sampled_ids = [[token] if sampled_row else [] for token, sampled_row
+                           in zip(tokens[:n].tolist(), inputs.samples.tolist(), strict=True)]
+            self.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens,
+                                            tokens)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},

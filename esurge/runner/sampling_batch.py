@@ -19,14 +19,6 @@ from esurge.sampling_params import SamplingParams
 __all__ = ["DenseRowState", "SamplingBatch"]
 
 
-def _needs_dense(params: SamplingParams) -> bool:
-    return bool(
-        params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-        or params.logit_bias or params.allowed_token_ids is not None
-        or params.bad_words_token_ids or params.min_tokens > 0
-    )
-
-
 def _split_seed(seed: int) -> tuple[int, int]:
     seed &= (1 << 64) - 1
     return seed & 0xFFFFFFFF, seed >> 32
@@ -120,7 +112,7 @@ class SamplingBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         self._put_dense(row, (
             DenseRowState.create(params, prompt, output, eos_token_id, self.vocab_size)
-            if _needs_dense(params) else None
+            if params.uses_token_state else None
         ))
 
     def _put_dense(self, row: int, state: DenseRowState | None) -> None:

@@ -30,6 +30,10 @@ class StepInputs:
     request i are verified: its last 1 + num_drafts[i] token rows get logits,
     laid out at logits rows [i * (1 + num_spec), ...); sample_positions[i] is
     then the output index of the first token the step emits.
+
+    A decode burst (num_steps > 1) runs num_steps iterations: `batch` is the
+    first (one token per request), iteration j moves every request one
+    position on and writes its keys and values to burst_slots[j - 1].
     """
 
     batch: ForwardBatch
@@ -43,6 +47,8 @@ class StepInputs:
     num_reqs_bucket: int
     num_drafts: np.ndarray  # [R] int32
     num_spec: int = 0
+    num_steps: int = 1
+    burst_slots: np.ndarray | None = None  # [num_steps - 1, G, T_bucket] int32
 
 
 def _write_drafts(ib: InputBatch, sched: list[str], rows: np.ndarray,
@@ -116,7 +122,10 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     """
     sched = sorted(so.num_scheduled_tokens, key=ib.row_of.__getitem__)
     rows = np.array([ib.row_of[r] for r in sched], np.int64)
-    n_sched = np.array([so.num_scheduled_tokens[r] for r in sched], np.int64)
+    steps = so.num_decode_steps
+    # A burst's first iteration feeds one token per request (see StepInputs).
+    n_sched = (np.ones(len(sched), np.int64) if steps > 1 else
+               np.array([so.num_scheduled_tokens[r] for r in sched], np.int64))
     num_reqs, total = len(sched), int(n_sched.sum())
     t_bucket, r_bucket = buckets.tokens_for(total), buckets.requests_for(num_reqs)
     num_drafts = (_write_drafts(ib, sched, rows, so.scheduled_spec_decode_tokens) if num_spec
@@ -158,5 +167,20 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
         batch=batch, req_ids=sched, rows=rows, samples=samples,
         sample_positions=(seq_lens - num_drafts - ib.num_prompt[rows]).astype(np.int32),
         seq_lens=seq_lens, prev_index=prev_index, num_tokens=total, num_reqs_bucket=r_bucket,
-        num_drafts=num_drafts, num_spec=num_spec,
+        num_drafts=num_drafts, num_spec=num_spec, num_steps=steps,
+        burst_slots=(_burst_slots(page_tables, positions, steps, page_size, t_bucket)
+                     if steps > 1 else None),
     )
+
+
+def _burst_slots(page_tables: np.ndarray,  # [G, R, P] the scheduled requests' pages
+                 positions: np.ndarray,  # [R] each request's first burst position
+                 steps: int, page_size: int, t_bucket: int) -> np.ndarray:
+    """[steps - 1, G, t_bucket] cache slots of positions + 1 .. + steps - 1
+    (padding rows write to the null page)."""
+    later = positions[None, :] + np.arange(1, steps)[:, None]  # [steps - 1, R]
+    reqs = np.arange(len(positions))[None, :]
+    slots = page_tables[:, reqs, later // page_size] * page_size + later % page_size  # [G, K-1, R]
+    out = np.full((steps - 1, page_tables.shape[0], t_bucket), NULL_PAGE, np.int32)
+    out[:, :, :len(positions)] = slots.transpose(1, 0, 2)
+    return out

@@ -13,6 +13,7 @@ import numpy as np
 from esurge.models.batch import ForwardBatch, tile_layout
 from esurge.models.kv_cache import NULL_PAGE
 from esurge.runner.device_step import (
+    decode_burst_step,
     model_step,
     model_step_features,
     prompt_logprobs_step,
@@ -100,6 +101,17 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
     return hidden_of
 
 
+def _burst_shapes(runner: eSurgeRunner, shapes: list[tuple[int, int]]
+                  ) -> list[tuple[int, int]]:
+    """The (tokens, requests) buckets a decode burst lands in: one token per request."""
+    if runner.decode_steps == 1 or runner.spec is not None:
+        return []
+    buckets = runner.buckets
+    most = min(runner.max_rows, buckets.token_buckets[-1])
+    wanted = {(buckets.tokens_for(n), buckets.requests_for(n)) for n in range(1, most + 1)}
+    return sorted(wanted.intersection(shapes))
+
+
 def _with_tiles(shapes: list[tuple[int, int]], tiled: bool) -> list[tuple[int, int, int]]:
     return [(t, r, tile) for t, r in shapes for tile in query_tiles_for_bucket(t, tiled)]
 
@@ -113,8 +125,9 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
     variants = runner.sampler_variants() if variants is None else variants
     request_buckets = sorted({r for _, r in shapes})
     token_buckets = {t for t, _ in shapes}
+    bursts = _burst_shapes(runner, shapes)
     total = (len(_with_tiles(shapes, runner.tiled_attention)) + len(request_buckets) * len(variants)
-             + (len(token_buckets) if variants else 0))
+             + (len(token_buckets) if variants else 0) + len(bursts))
     done = 0
     hidden_of: dict[int, jax.Array] = {}
 
@@ -156,6 +169,16 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
             jax.block_until_ready(prompt_logprobs_step(
                 runner.model.model_state, hidden_of[tokens], idx, idx, MAX_LOGPROBS))
             tick(f"prompt logprobs tokens={tokens}")
+    groups = len(runner.cache_groups.groups)
+    for tokens, requests in bursts:
+        later = np.full((runner.decode_steps - 1, groups, tokens), NULL_PAGE * runner.page_size,
+                        np.int32)
+        flat, layout = pack_inputs(_padding_batch(runner, tokens, requests),
+                                   np.full(tokens, -1, np.int32), later)
+        out, runner.kv_cache, _ = decode_burst_step(
+            runner.model.model_state, runner.kv_cache, flat, runner._prev_tokens, layout)
+        jax.block_until_ready(out)
+        tick(f"decode burst tokens={tokens} requests={requests} steps={runner.decode_steps}")
     seconds = time.perf_counter() - start
     log.info("warm-up compiled %d programs in %.1fs", total, seconds)
     return seconds

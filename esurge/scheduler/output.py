@@ -88,6 +88,12 @@ class SchedulerOutput:
     the smallest max_num_seq_buckets entry >= the number of scheduled requests,
     or without buckets the smallest power of two >= it, capped at max_num_seqs
     (the smallest bucket for an empty step).
+
+    num_decode_steps > 1 marks a decode burst: every scheduled request is in
+    plain greedy decode and is scheduled num_decode_steps tokens, its last
+    known (or in-flight) token and the ones the step itself generates; the
+    runner runs that many decode iterations and returns one token per
+    iteration and request.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -98,6 +104,7 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     num_seq_bucket: int
+    num_decode_steps: int = 1
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -33,36 +33,24 @@ from dataclasses import replace
 from typing import Any
 
 from esurge.config import Config, SchedulingPolicy
-from esurge.core.kv_cache_manager import KVCacheManager, KVCachePages
+from esurge.core.kv_cache_manager import KVCacheManager
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
 from esurge.engine_types import EngineCoreEventType, EngineCoreOutputs
 from esurge.outputs import ModelRunnerOutput
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.scheduler.admission import check_fits
 from esurge.scheduler.buckets import SeqBuckets
+from esurge.scheduler.decode_burst import DecodeBurstPolicy
 from esurge.scheduler.interface import SchedulerInterface
 from esurge.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from esurge.scheduler.request_queue import create_request_queue, priority_key
+from esurge.scheduler.step_plan import StepPlan
 from esurge.scheduler.step_update import StepUpdate
 
 __all__ = ["Scheduler"]
 
 _RUNNING = EngineRequestStatus.RUNNING
 _PREEMPTED = EngineRequestStatus.PREEMPTED
-
-
-class _StepPlan:
-    """What one schedule() call decided, gathered before it is published."""
-
-    __slots__ = ("new_reqs", "num_scheduled", "preempted", "running", "running_pages", "spec")
-
-    def __init__(self) -> None:
-        self.num_scheduled: dict[str, int] = {}
-        self.new_reqs: list[EngineRequest] = []
-        self.running: list[EngineRequest] = []
-        self.running_pages: list[KVCachePages] = []
-        self.spec: dict[str, list[int]] = {}
-        self.preempted: set[str] = set()
 
 
 class Scheduler(SchedulerInterface):
@@ -73,11 +61,14 @@ class Scheduler(SchedulerInterface):
     max_num_seq_buckets: request-count buckets the runner pads to; overrides
         SchedulerConfig.max_num_seq_buckets. The running count never exceeds
         the largest bucket.
+    decode_steps: decode iterations per step when every running request can
+        take a burst of them (see decode_burst.py); 1 turns bursts off. The
+        runner must be built for the same value.
     """
 
     def __init__(self, config: Config, kv_cache_config: CacheGroupsConfig,
                  include_finished_set: bool = False,
-                 max_num_seq_buckets: list[int] | None = None) -> None:
+                 max_num_seq_buckets: list[int] | None = None, decode_steps: int = 1) -> None:
         if not isinstance(config, Config):
             raise ValueError(f"config must be a Config, got {type(config).__name__}")
         if not isinstance(kv_cache_config, CacheGroupsConfig):
@@ -96,6 +87,14 @@ class Scheduler(SchedulerInterface):
                 "async_scheduling=True with speculative decoding (num_speculative_tokens="
                 f"{self.num_lookahead_tokens}) is not supported: the number of accepted "
                 "tokens must be known before the next step is scheduled")
+        self._burst = DecodeBurstPolicy(decode_steps, sched.max_model_len,
+                                        sched.max_num_batched_tokens, cache.page_size,
+                                        len(kv_cache_config.groups))
+        if decode_steps > 1 and self.num_lookahead_tokens:
+            raise ValueError(
+                f"decode_steps={decode_steps} with speculative decoding (num_speculative_tokens="
+                f"{self.num_lookahead_tokens}) is not supported: a step either verifies drafts "
+                "or runs a decode burst")
         self.config = config
         self.scheduler_config = sched
         self.max_model_len = sched.max_model_len
@@ -122,6 +121,7 @@ class Scheduler(SchedulerInterface):
         self.running: list[EngineRequest] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since start, for metrics
+        self.num_decode_bursts = 0  # steps scheduled as decode bursts, since start
         # Ended through finish_requests: their final outputs go out in the next update.
         self._finished_outside: list[EngineRequest] = []
 
@@ -137,6 +137,7 @@ class Scheduler(SchedulerInterface):
         max_num_batched_tokens None keeps the budget of runner.config (the
         engine sets it to max_model_len unless told otherwise); the runner's
         max_model_len, num_pages and enable_prefix_caching override the config.
+        A runner's `decode_steps` (1 when it has none) is taken over.
         """
         config: Config = runner.config
         sched = replace(
@@ -150,7 +151,8 @@ class Scheduler(SchedulerInterface):
                         enable_prefix_caching=enable_prefix_caching)
         groups = cache_groups_from_hf_config(runner.hf_config, int(runner.num_pages),
                                              cache.page_size, str(runner.kv_dtype))
-        return cls(replace(config, scheduler_config=sched, cache_config=cache), groups)
+        return cls(replace(config, scheduler_config=sched, cache_config=cache), groups,
+                   decode_steps=int(getattr(runner, "decode_steps", 1)))
 
     # ---- requests in and out ---------------------------------------------------
 
@@ -207,8 +209,11 @@ class Scheduler(SchedulerInterface):
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next forward pass (see the module docstring)."""
-        plan = _StepPlan()
-        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        plan = StepPlan(self._burst.steps(
+            self.running, len(self.waiting), self.kv_cache_manager.num_free_pages,
+            lambda r: self._num_new_tokens(r, budget)))
+        budget = self._schedule_running(plan, budget)
         # A preemption means pages are short: admitting now would only thrash.
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
@@ -228,7 +233,7 @@ class Scheduler(SchedulerInterface):
         # Position max_model_len - 1 would only sample a token past the limit.
         return min(num_new, budget, self.max_model_len - 1 - request.num_computed_tokens)
 
-    def _schedule_running(self, plan: _StepPlan, budget: int) -> int:
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         kv = self.kv_cache_manager
         lookahead = self.num_lookahead_tokens
         running = self.running
@@ -236,6 +241,8 @@ class Scheduler(SchedulerInterface):
         while i < len(running) and budget > 0:
             request = running[i]
             num_new = self._num_new_tokens(request, budget)
+            if num_new > 0 and plan.decode_steps > 1:
+                num_new = plan.decode_steps  # a burst is only planned where num_new is 1
             if num_new <= 0:
                 i += 1
                 continue
@@ -261,7 +268,7 @@ class Scheduler(SchedulerInterface):
             i += 1
         return budget
 
-    def _preempt(self, request: EngineRequest, plan: _StepPlan) -> None:
+    def _preempt(self, request: EngineRequest, plan: StepPlan) -> None:
         self.kv_cache_manager.free(request)
         request.status = _PREEMPTED
         request.num_computed_tokens = 0
@@ -272,7 +279,7 @@ class Scheduler(SchedulerInterface):
         self.waiting.add_preempted(request)
         plan.preempted.add(request.request_id)
 
-    def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         kv = self.kv_cache_manager
         waiting = self.waiting
         while waiting and budget > 0 and len(self.running) < self.max_num_running:
@@ -300,7 +307,7 @@ class Scheduler(SchedulerInterface):
             budget -= num_new
 
     def _admit(self, request: EngineRequest, num_hit: int, num_new: int,
-               plan: _StepPlan) -> None:
+               plan: StepPlan) -> None:
         request.status = _RUNNING
         request.record_event(EngineCoreEventType.SCHEDULED)
         if request.num_cached_tokens is None:
@@ -313,7 +320,7 @@ class Scheduler(SchedulerInterface):
         plan.new_reqs.append(request)
         plan.num_scheduled[request.request_id] = num_new
 
-    def _publish(self, plan: _StepPlan) -> SchedulerOutput:
+    def _publish(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs = [NewRequestData.from_request(r, kv.get_pages(r.request_id).page_ids)
                     for r in plan.new_reqs]
@@ -327,7 +334,9 @@ class Scheduler(SchedulerInterface):
             num_computed_tokens=[r.num_computed_tokens for r in running],
         )
         num_scheduled = plan.num_scheduled
-        self._advance(plan)
+        if plan.decode_steps > 1 and num_scheduled:
+            self.num_decode_bursts += 1
+        plan.advance(self.async_scheduling)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -338,21 +347,8 @@ class Scheduler(SchedulerInterface):
             finished_req_ids=finished,
             preempted_req_ids=plan.preempted,
             num_seq_bucket=self.seq_buckets.bucket_for(len(num_scheduled)),
+            num_decode_steps=plan.decode_steps,
         )
-
-    def _advance(self, plan: _StepPlan) -> None:
-        """Count the step's tokens as computed now, so the next step can be planned
-        before this one's output arrives (async scheduling)."""
-        num_scheduled = plan.num_scheduled
-        track = self.async_scheduling
-        for requests in (plan.running, plan.new_reqs):
-            for request in requests:
-                computed = request.num_computed_tokens + num_scheduled[request.request_id]
-                request.num_computed_tokens = computed
-                # Reaching the end of the known (and pending) tokens samples one more.
-                if track and computed >= len(request.all_token_ids) + (
-                        request.num_output_placeholders):
-                    request.num_output_placeholders += 1
 
     # ---- outputs ------------------------------------------------------------------
 

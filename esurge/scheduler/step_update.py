@@ -59,9 +59,10 @@ class StepUpdate:
             if spec_scheduled and rid in spec_scheduled:
                 num_draft, num_accepted = self._verify(request, len(spec_scheduled[rid]),
                                                        len(new_ids))
-            elif len(new_ids) > 1:
-                raise ValueError(f"request {rid!r} got {len(new_ids)} sampled tokens "
-                                 "without draft tokens to verify")
+            elif len(new_ids) > scheduler_output.num_decode_steps:
+                raise ValueError(f"request {rid!r} got {len(new_ids)} sampled tokens in a "
+                                 f"step of {scheduler_output.num_decode_steps} decode "
+                                 "iteration(s) without draft tokens to verify")
             stopped = False
             if new_ids:
                 if self._async:

@@ -29,8 +29,8 @@ def test_unpack_inside_jit_returns_every_array(tile: int) -> None:
     prev_index = rng.integers(-1, 32, 32, dtype=np.int32)
     flat, layout = pack_inputs(batch, prev_index)
     assert flat.shape == (layout.size,) and flat.dtype == np.int32
-    got, got_prev = jax.jit(layout.unpack)(jnp.asarray(flat))
-    assert got.query_tile == tile
+    got, got_prev, got_burst = jax.jit(layout.unpack)(jnp.asarray(flat))
+    assert got.query_tile == tile and got_burst is None and layout.num_steps == 1
     np.testing.assert_array_equal(np.asarray(got_prev), prev_index)
     for name in ("input_ids", "positions", "token_req", "slot_mapping", "page_tables",
                  "query_start_loc", "seq_lens", "logits_indices", "tile_rows", "row_in_tiles"):

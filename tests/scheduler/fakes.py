@@ -66,9 +66,10 @@ def make_config(*, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
 
 
 def make_scheduler(include_finished_set: bool = False,
-                   seq_buckets: list[int] | None = None, **kw: object) -> Scheduler:
+                   seq_buckets: list[int] | None = None, decode_steps: int = 1,
+                   **kw: object) -> Scheduler:
     config, groups = make_config(**kw)  # type: ignore[arg-type]
-    return Scheduler(config, groups, include_finished_set, seq_buckets)
+    return Scheduler(config, groups, include_finished_set, seq_buckets, decode_steps=decode_steps)
 
 
 def make_request(rid: str, prompt: list[int] | int, max_tokens: int | None = 8, *,
@@ -119,7 +120,8 @@ class FakeRunner:
                 for pages, extra in zip(state.pages, new_pages, strict=True):
                     pages.extend(extra)
         req_ids = list(out.num_scheduled_tokens)
-        sampled = [self._run(rid, n, out.scheduled_spec_decode_tokens.get(rid, []))
+        sampled = [self._run(rid, n, out.scheduled_spec_decode_tokens.get(rid, []),
+                             out.num_decode_steps)
                    for rid, n in out.num_scheduled_tokens.items()]
         spec = [self._propose(rid) if s else [] for rid, s in zip(req_ids, sampled, strict=True)]
         logprobs = [[_logprob(t) for t in s] if self.states[rid].params.logprobs is not None
@@ -127,12 +129,20 @@ class FakeRunner:
         return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled,
                                  spec if self.drafts else None, logprobs)
 
-    def _run(self, rid: str, num: int, drafts: list[int]) -> list[int]:
+    def _run(self, rid: str, num: int, drafts: list[int], steps: int = 1) -> list[int]:
         state = self.states[rid]
         end = state.computed + num
         assert len(state.pages[0]) * self.page_size >= end, "tokens beyond the given pages"
         assert 0 not in state.pages[0][: -(-end // self.page_size)], "null page in use"
         known = len(state.tokens)
+        if steps > 1:  # a decode burst: one known token, then its own outputs
+            assert num == steps and not drafts and known - state.computed == 1, rid
+            burst: list[int] = []
+            for _ in range(steps):
+                burst.append(next_token(state.tokens + burst))
+            state.computed = known + steps - 1
+            state.tokens.extend(burst)
+            return burst
         assert end <= known + len(drafts), "scheduled past the known tokens"
         if end < known:
             state.computed = end

@@ -41,7 +41,7 @@ def test_defaults_give_the_documented_config(model_dir: Path) -> None:
     assert (args.dtype, args.log_level) == ("auto", "info")
     assert (args.max_message_bytes, args.max_queued_requests) == (16 * 1024 * 1024, 1024)
     assert args.max_concurrent_streams is None and args.grace_period == 30.0
-    assert args.tls_cert is None and args.model == model_dir
+    assert args.tls_cert is None and args.model == model_dir and args.decode_steps == 1
     assert build_config(args, model_max_len=4096) == Config(
         scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096,
                                          max_model_len=4096),
@@ -101,6 +101,7 @@ def test_chunked_prefill_defaults_to_a_smaller_batch_budget(model_dir: Path) -> 
     [
         (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an int >= 1, got '0'"),
         (["--page-size", "x"], "argument --page-size: must be an int >= 1, got 'x'"),
+        (["--decode-steps", "0"], "argument --decode-steps: must be an int >= 1, got '0'"),
         (["--max-num-seq-buckets", "8,a"],
          "argument --max-num-seq-buckets: must be comma-separated ints such as 8,16,32"),
         (["--grace-period", "inf"],
@@ -153,6 +154,8 @@ def test_incomplete_tls_is_refused(
          "9000 exceeds the model's limit of 4096 tokens"),
         (["--num-speculative-tokens", "2"], 4096, "--num-speculative-tokens",
          "2 drafts need --speculative-model"),
+        (["--num-speculative-tokens", "2", "--decode-steps", "4"], 4096, "--decode-steps",
+         "4 iterations per step cannot be combined with speculative decoding"),
     ],
 )
 def test_config_refusals_name_the_flag(

@@ -1,0 +1,72 @@
+"""Decode bursts: several decode iterations of every running request in one step.
+
+On a small model the engine's per-step host work (scheduling, input building,
+the device call, output processing) costs about as much CPU as the forward
+pass itself, and on a CPU host that work competes with the forward for the
+same cores. A burst of K runs K decode iterations in one device call (the
+tokens of iteration j feed iteration j + 1 on the device) and pays the host
+work once.
+
+A burst must not change what any request outputs, nor delay anyone: it is
+taken only when no request waits for admission (it would wait K steps), and
+every running request is in plain decode (one token to compute, no drafts),
+picks each token by argmax alone with nothing else asked per token
+(`SamplingParams.plain_greedy`) and has room for K more positions before
+max_model_len. A request with fewer than K tokens left to output, or that
+stops inside a burst (EOS, a stop token or string), keeps only the tokens up
+to its stop (the scheduler's stop check runs per token); the rest of its
+burst is computed and discarded. Requests whose remaining tokens are all in
+flight already (async scheduling) sit the burst out, as they would a plain
+step. Every burst position gets its cache slot, so a burst only runs when the
+free pages cover the most it can take: it never preempts where a plain step
+would not have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from esurge.request import EngineRequest
+
+__all__ = ["DecodeBurstPolicy"]
+
+
+class DecodeBurstPolicy:
+    """Decides how many decode iterations the next step runs (1: a plain step)."""
+
+    __slots__ = ("decode_steps", "max_model_len", "max_num_batched_tokens", "pages_per_request")
+
+    def __init__(self, decode_steps: int, max_model_len: int, max_num_batched_tokens: int,
+                 page_size: int, num_groups: int) -> None:
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
+            raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
+        self.decode_steps = decode_steps
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # The most new pages a request can need for K more positions (per group,
+        # a run of K positions crosses at most this many page starts).
+        self.pages_per_request = num_groups * (1 + (decode_steps - 1) // page_size)
+
+    def steps(self, running: Sequence[EngineRequest], num_waiting: int, num_free_pages: int,
+              num_new_tokens: Callable[[EngineRequest], int]) -> int:
+        """decode_steps when the running requests can take a burst, else 1.
+
+        num_new_tokens(request) is the scheduler's token count for a plain step.
+        """
+        k = self.decode_steps
+        if (k == 1 or num_waiting or not running
+                or k * len(running) > self.max_num_batched_tokens
+                or num_free_pages < self.pages_per_request * len(running)):
+            return 1
+        last_position = self.max_model_len - 1
+        decoding = False
+        for request in running:
+            if request.spec_token_ids or not request.sampling_params.plain_greedy:
+                return 1
+            if request.num_computed_tokens + k > last_position:
+                return 1
+            num_new = num_new_tokens(request)
+            if num_new > 1:
+                return 1  # still in its prompt
+            decoding = decoding or num_new == 1
+        return k if decoding else 1

@@ -1,0 +1,114 @@
+"""Decode bursts through eSurge: the same tokens, text and endings as plain steps."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from esurge import SamplingParams, eSurge
+from tests.engine.conftest import NEW_TOKENS, engine_config, mixed_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+PROMPT = "class Reader:\n    def read(self, size"
+
+
+@pytest.fixture(scope="module")
+def burst_engine(tiny_llama_dir: Path) -> Iterator[eSurge]:
+    """Async scheduling with bursts of 4 decode iterations."""
+    llm = eSurge(tiny_llama_dir, engine_config(async_=True), show_progress=False, decode_steps=4)
+    yield llm
+    llm.shutdown()
+
+
+def _tokens(outputs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_bursts_match_transformers(burst_engine: eSurge,
+                                   reference_greedy: list[list[int]]) -> None:
+    before = burst_engine.scheduler.num_decode_bursts
+    outs = burst_engine.generate(mixed_prompts(), GREEDY)
+    assert _tokens(outs) == reference_greedy
+    assert burst_engine.scheduler.num_decode_bursts > before
+    kv = burst_engine.scheduler.kv_cache_manager
+    assert (kv.num_free_pages, kv.usage) == (kv.num_usable_pages, 0.0)
+
+
+def test_bursts_under_preemption_match_transformers(tiny_llama_dir: Path,
+                                                    reference_greedy: list[list[int]]) -> None:
+    # 19 usable pages of 8 tokens for 16 requests: preemptions, and bursts only
+    # once enough pages are free.
+    with eSurge(tiny_llama_dir, engine_config(num_pages=20), show_progress=False,
+                decode_steps=4) as llm:
+        outs = llm.generate(mixed_prompts(), GREEDY)
+        preemptions, bursts = llm.scheduler.num_preemptions, llm.scheduler.num_decode_bursts
+        usage = llm.scheduler.kv_cache_manager.usage
+    assert _tokens(outs) == reference_greedy
+    assert preemptions > 0 and bursts > 0
+    assert usage == 0.0
+
+
+def _mid_burst_stop(engine: eSurge) -> tuple[int, str]:
+    """(k, s): the text s of output token k is new at k, and token k sits inside
+    a burst of 4 (the prefill step samples token 0, bursts take 1-4, 5-8, ...)."""
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    deltas = [d.outputs[0].delta_text for d in engine.stream(PROMPT, plain)]
+    text = "".join(deltas)
+    for k in range(5, 20):
+        start = len("".join(deltas[:k]))
+        if k % 4 and deltas[k] and text.find(deltas[k]) == start:
+            return k, deltas[k]
+    raise AssertionError(f"no usable stop string in {deltas!r}")
+
+
+@pytest.mark.parametrize("case", ["max_tokens", "stop_token", "stop_string", "stop_kept"])
+def test_endings_inside_a_burst_match_plain_steps(burst_engine: eSurge, engine: eSurge,
+                                                  case: str) -> None:
+    full = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24,
+                                                    ignore_eos=True))[0].outputs[0]
+    k, stop = _mid_burst_stop(engine)
+    params = {
+        "max_tokens": SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+        "stop_token": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                     stop_token_ids=[full.token_ids[k]]),
+        "stop_string": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                      stop=[stop]),
+        "stop_kept": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                    stop=[stop], include_stop_str_in_output=True),
+    }[case]
+    want = engine.generate([PROMPT], params)[0].outputs[0]
+    got = burst_engine.generate([PROMPT], params)[0].outputs[0]
+    # Each ends strictly inside a burst: 14 tokens end at index 13; a stop at k.
+    assert len(want.token_ids) == (14 if case == "max_tokens" else k + 1)
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+        want.token_ids, want.text, want.finish_reason, want.stop_reason)
+
+
+def test_streamed_bursts_add_up_to_the_output(burst_engine: eSurge) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = burst_engine.generate([PROMPT], params)[0].outputs[0]
+    deltas = list(burst_engine.stream(PROMPT, params))
+    assert deltas[-1].finished
+    assert [t for d in deltas for t in d.outputs[0].delta_token_ids] == full.token_ids
+    assert "".join(d.outputs[0].delta_text for d in deltas) == full.text
+    assert max(len(d.outputs[0].delta_token_ids) for d in deltas) == 4  # a burst's tokens
+
+
+def test_sampled_requests_run_plain_steps_beside_greedy_ones(
+        burst_engine: eSurge, reference_greedy: list[list[int]]) -> None:
+    prompts = mixed_prompts()[:4]
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.8, seed=3, max_tokens=NEW_TOKENS + 8,
+                                            ignore_eos=True)]
+    before = burst_engine.scheduler.num_decode_bursts
+    outs = burst_engine.generate(prompts, params)
+    assert _tokens(outs)[:3] == reference_greedy[:3]
+    assert burst_engine.scheduler.num_decode_bursts == before
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, True])
+def test_decode_steps_is_validated(tiny_llama_dir: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="decode_steps"):
+        eSurge(tiny_llama_dir, engine_config(), show_progress=False, warmup=False,
+               decode_steps=bad)  # type: ignore[arg-type]
