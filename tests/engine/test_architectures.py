@@ -1,5 +1,6 @@
 """eSurge.generate is token-identical to transformers' greedy generate on every
-supported architecture, for a 16-prompt batch of mixed lengths."""
+supported architecture, for a 16-prompt batch of mixed lengths, with plain
+steps and with decode bursts."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ VOCAB = 256  # tests/models/checkpoints.py's tiny vocabulary
 NEW_TOKENS = 24
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_generate_matches_transformers(family: str, tmp_path: Path) -> None:
+def test_generate_matches_transformers(family: str, decode_steps: int, tmp_path: Path) -> None:
     torch.set_num_threads(1)
     model = build_model(hf_config(family), seed=1)
     path = save_checkpoint(model, tmp_path / family)
@@ -30,6 +32,8 @@ def test_generate_matches_transformers(family: str, tmp_path: Path) -> None:
                                  do_sample=False)
             expected.append(out[0, len(prompt):].tolist())
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with eSurge(path, engine_config(), show_progress=False) as llm:
+    with eSurge(path, engine_config(), show_progress=False, decode_steps=decode_steps) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        bursts = llm.scheduler.num_decode_bursts
     assert got == expected
+    assert (bursts > 0) == (decode_steps > 1)
