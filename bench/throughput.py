@@ -5,8 +5,10 @@ W1: 32 prompts of 64-128 tokens cut from the Python standard library's source,
 warm-up set, then timed sets of fresh prompts (the prefix cache cannot help);
 medians reported. The engine runs with async scheduling on (what a
 throughput-minded deployment sets; `--sync` measures it off) and decode bursts
-of 8 iterations (`--decode-steps`; a comma list such as 1,8 measures each, one
-engine after the other, the first value's rate is the one compared).
+of 8 iterations (`--decode-steps`; a comma list such as 8,1 builds one engine
+per value and runs each timed set on each engine in turn, alternating the
+order, so their ratio is measured in the same phase of the machine; the first
+value's rate is the one compared with transformers).
 
 For the 150M model the script also measures the machine's matmul peak with
 XLA at the model's own weight shapes (and, for comparison, the engine's own
@@ -40,7 +42,13 @@ NEW_TOKENS = 64
 
 
 def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_scheduling: bool,
-                        decode_steps: int) -> tuple[float, list[float], float]:
+                        decode_steps: list[int]) -> dict[int, tuple[float, list[float], float]]:
+    """{decode_steps: (median tok/s, per-set tok/s, load + warm-up seconds)}.
+
+    One engine per decode_steps value, all in this process; each timed set runs
+    on every engine in turn (order alternating by round), so the engines see
+    the same prompts and the same phases of a drifting machine.
+    """
     from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
 
     config = Config(
@@ -50,18 +58,23 @@ def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_sche
         CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
     )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    start = time.perf_counter()
-    llm = eSurge(model_dir, config, show_progress=False, decode_steps=decode_steps)
-    compile_s = time.perf_counter() - start
+    engines: dict[int, eSurge] = {}
+    compile_s: dict[int, float] = {}
+    rates: dict[int, list[float]] = {k: [] for k in decode_steps}
     try:
-        llm.generate(sets[0], params)
-        rates = []
-        for prompts in sets[1:]:
-            seconds = timed(lambda p=prompts: llm.generate(p, params))
-            rates.append(len(prompts) * NEW_TOKENS / seconds)
+        for k in decode_steps:
+            start = time.perf_counter()
+            engines[k] = eSurge(model_dir, config, show_progress=False, decode_steps=k)
+            compile_s[k] = time.perf_counter() - start
+            engines[k].generate(sets[0], params)
+        for r, prompts in enumerate(sets[1:]):
+            for k in decode_steps if r % 2 == 0 else decode_steps[::-1]:
+                seconds = timed(lambda p=prompts, e=engines[k]: e.generate(p, params))
+                rates[k].append(len(prompts) * NEW_TOKENS / seconds)
     finally:
-        llm.shutdown()
-    return statistics.median(rates), rates, compile_s
+        for llm in engines.values():
+            llm.shutdown()
+    return {k: (statistics.median(rates[k]), rates[k], compile_s[k]) for k in decode_steps}
 
 
 def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float, list[float]]:
@@ -152,15 +165,16 @@ def main() -> None:
     for shape in args.models.split(","):
         model_dir = make_checkpoint(workdir / shape, shape)
         sets = workload_w1(model_dir, num_sets=1 + args.sets)
-        results = [(k, *engine_tokens_per_s(model_dir, sets, not args.sync, k))
-                   for k in (int(v) for v in args.decode_steps.split(","))]
+        steps = [int(v) for v in args.decode_steps.split(",")]
+        results = engine_tokens_per_s(model_dir, sets, not args.sync, steps)
         theirs, hf_runs = hf_tokens_per_s(model_dir, sets[:1 + args.hf_sets])
-        for k, rate, runs, compile_s in results:
+        for k, (rate, runs, compile_s) in results.items():
+            versus = "" if k == steps[0] else f", {rate / results[steps[0]][0]:.2f}x the first"
             print(f"[{shape}] eSurge (decode_steps={k}) {rate:,.0f} tok/s (runs "
-                  f"{[round(r) for r in runs]}, warm-up+load {compile_s:.1f}s) | transformers "
-                  f"{theirs:,.0f} tok/s (runs {[round(r) for r in hf_runs]}) | ratio "
-                  f"{rate / theirs:.2f}x")
-        ours = results[0][1]
+                  f"{[round(r) for r in runs]}, warm-up+load {compile_s:.1f}s{versus}) | "
+                  f"transformers {theirs:,.0f} tok/s (runs {[round(r) for r in hf_runs]}) | "
+                  f"ratio {rate / theirs:.2f}x")
+        ours = results[steps[0]][0]
         if shape == "150m":
             hidden, _, _, _, inter = MODEL_SHAPES[shape]
             peak, prefill_peak = matmul_peak_flops(hidden, inter), matmul_peak_flops(
