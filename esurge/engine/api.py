@@ -112,6 +112,9 @@ class eSurge:
                                    min_token_bucket=min_token_bucket, decode_steps=decode_steps)
         self.scheduler = Scheduler.from_runner(
             self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
+        if decode_steps > 1:
+            log.info("decode bursts: up to %d decode iterations per step while every running "
+                     "request decodes plain-greedily and none waits", decode_steps)
         self.warmup_seconds = (self.runner.warmup(_print_progress if show_progress else None)
                                if warmup else 0.0)
         sched = self.config.scheduler_config

@@ -69,7 +69,9 @@ class ServeProcess:
 
 @pytest.fixture
 def serve_process(tiny_llama_dir: Path) -> Iterator[ServeProcess]:
-    process = ServeProcess(tiny_llama_dir, *SMALL_ENGINE, "--grace-period", "60")
+    # Decode bursts on: the greedy streams below then come in bursts of 4 tokens.
+    process = ServeProcess(tiny_llama_dir, *SMALL_ENGINE, "--grace-period", "60",
+                           "--decode-steps", "4")
     yield process
     process.stop()
 
@@ -116,6 +118,7 @@ def test_warm_up_serve_and_drain_on_sigterm(serve_process: ServeProcess) -> None
         rest = list(stream)  # the stream in flight runs to its end
         assert rest[-1].finish_reason == engine_pb2.FINISH_REASON_LENGTH
         assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 240
+        serve_process.wait_for_log(r"decode bursts: up to 4 decode iterations")
         # The router's stream ends by itself once its request is done, though the
         # router has not closed it; its new request was refused as UNAVAILABLE.
         responses = list(router)
