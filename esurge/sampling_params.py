@@ -156,10 +156,11 @@ class SamplingParams:
         )
 
     @property
-    def plain_greedy(self) -> bool:
-        """True when each token is the argmax of the raw logits and nothing else
-        is asked per token (no logprobs): a decode burst may run it."""
-        return self.greedy and not self.uses_token_state and self.logprobs is None
+    def stateless_sampling(self) -> bool:
+        """True when each token is a function of the logits, the seed and its
+        output position alone (no penalties, masks or min_tokens) and nothing
+        else is asked per token (no logprobs): a decode burst may run it."""
+        return not self.uses_token_state and self.logprobs is None
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError when a token id named here is outside the vocabulary."""

@@ -183,7 +183,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=False, help="schedule step N+1 while step N runs")
     sched.add_argument("--decode-steps", type=_int_at_least(1), default=1,
                        help="decode iterations per step while every running request decodes "
-                            "greedily with no per-token options and none waits: the same "
+                            "without penalties, masks or logprobs and none waits: the same "
                             "tokens, less host work, streamed in chunks of up to this many "
                             "(default: %(default)s, off)")
     cache = parser.add_argument_group("KV cache")

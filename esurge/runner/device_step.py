@@ -60,21 +60,29 @@ def _argmax(logits: jax.Array  # [L, V]
     return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
-@partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
+@partial(jax.jit, donate_argnums=(1,), static_argnames=("layout", "variant"))
 def decode_burst_step(
     model_state: ModelState,
     kv_cache: KVCache,
     inputs: jax.Array,  # [layout.size] int32: a burst's arrays, packed (pack_inputs)
     prev_tokens: jax.Array,  # [max_rows] int32: last step's sampled tokens
+    tensors: SamplingTensors | None,  # the first iteration's; None when all greedy
     layout: InputLayout,
+    variant: SamplerVariant,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """(greedy tokens [K, R], updated cache, the last iteration's tokens padded
-    to [max_rows] for the next step) of a K-iteration decode burst.
+    """(tokens [K, R], updated cache, the last iteration's tokens padded to
+    [max_rows] for the next step) of a K-iteration decode burst.
 
     Iteration j runs every request one token on from iteration j - 1, whose
-    argmax tokens are its inputs, with the keys and values going to the j-th
-    burst slot mapping. Rows are one token per request (R = logits rows).
+    tokens are its inputs, with the keys and values going to the j-th burst
+    slot mapping, and samples at output positions tensors.positions + j: the
+    draw `sample` makes for that position in a plain step. The variant must be
+    neither dense nor logprobs. Rows are one token per request (R = logits rows).
     """
+    if variant.dense or variant.logprobs:
+        raise ValueError(f"a decode burst cannot run the sampler variant {variant}")
+    if not variant.all_greedy and tensors is None:
+        raise ValueError("a sampled decode burst needs SamplingTensors")
     batch, prev_index, later_slots = layout.unpack(inputs)
     if later_slots is None:
         raise ValueError("decode_burst_step needs a layout packed with burst slots")
@@ -88,7 +96,11 @@ def decode_burst_step(
                                    slot_mapping=slots,
                                    seq_lens=jnp.where(real, batch.seq_lens + j, 0))
         logits, _, kv = forward(model_state, kv, step)
-        tokens = _argmax(logits)
+        if tensors is None:
+            tokens = _argmax(logits)
+        else:
+            moved = dataclasses.replace(tensors, positions=tensors.positions + j)
+            tokens = sample(logits, moved, variant).token_ids
         # Request i owns token row i (one token each), so its next input sits there.
         return (kv, pad_tokens(tokens[:ids.shape[0]], ids.shape[0])), tokens
 

@@ -171,11 +171,12 @@ class eSurgeRunner:
             return _Pending(inputs, None, plp, spec=spec_step)
         flat, layout = pack_inputs(inputs.batch, inputs.prev_index, inputs.burst_slots)
         if inputs.num_steps > 1:
-            if variant != _PLAIN_GREEDY:
-                raise ValueError("a decode burst was scheduled for requests that are not plain "
-                                 "greedy (SamplingParams.plain_greedy)")
+            if variant.dense or variant.logprobs:
+                raise ValueError("a decode burst was scheduled for requests whose sampling "
+                                 "keeps per-token state (SamplingParams.stateless_sampling)")
             tokens, self.kv_cache, self._prev_tokens = decode_burst_step(
-                self.model.model_state, self.kv_cache, flat, self._prev_tokens, layout)
+                self.model.model_state, self.kv_cache, flat, self._prev_tokens,
+                None if variant.all_greedy else tensors(), layout, variant)
             self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
             return _Pending(inputs, SamplerOutput(token_ids=tokens), {})
         logits, hidden, self.kv_cache, greedy = model_step(

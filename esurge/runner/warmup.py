@@ -102,14 +102,34 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
 
 
 def _burst_shapes(runner: eSurgeRunner, shapes: list[tuple[int, int]]
-                  ) -> list[tuple[int, int]]:
-    """The (tokens, requests) buckets a decode burst lands in: one token per request."""
+                  ) -> list[tuple[int, int, SamplerVariant]]:
+    """The (tokens, requests) buckets a decode burst lands in (one token per
+    request), each with the two sampler variants a burst runs."""
     if runner.decode_steps == 1 or runner.spec is not None:
         return []
     buckets = runner.buckets
     most = min(runner.max_rows, buckets.token_buckets[-1])
     wanted = {(buckets.tokens_for(n), buckets.requests_for(n)) for n in range(1, most + 1)}
-    return sorted(wanted.intersection(shapes))
+    return [(t, r, SamplerVariant(all_greedy=greedy))
+            for t, r in sorted(wanted.intersection(shapes)) for greedy in (True, False)]
+
+
+def _warm_bursts(runner: eSurgeRunner, bursts: list[tuple[int, int, SamplerVariant]],
+                 tick: Callable[[str], None]) -> None:
+    groups = len(runner.cache_groups.groups)
+    for tokens, requests, variant in bursts:
+        later = np.full((runner.decode_steps - 1, groups, tokens), NULL_PAGE * runner.page_size,
+                        np.int32)
+        flat, layout = pack_inputs(_padding_batch(runner, tokens, requests),
+                                   np.full(tokens, -1, np.int32), later)
+        tensors = None if variant.all_greedy else runner.input_batch.sampling.tensors(
+            np.zeros(0, np.int64), requests, np.zeros(0, np.int32), variant)
+        out, runner.kv_cache, _ = decode_burst_step(
+            runner.model.model_state, runner.kv_cache, flat, runner._prev_tokens, tensors,
+            layout, variant)
+        jax.block_until_ready(out)
+        tick(f"decode burst tokens={tokens} requests={requests} steps={runner.decode_steps} "
+             f"greedy={variant.all_greedy}")
 
 
 def _with_tiles(shapes: list[tuple[int, int]], tiled: bool) -> list[tuple[int, int, int]]:
@@ -169,16 +189,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
             jax.block_until_ready(prompt_logprobs_step(
                 runner.model.model_state, hidden_of[tokens], idx, idx, MAX_LOGPROBS))
             tick(f"prompt logprobs tokens={tokens}")
-    groups = len(runner.cache_groups.groups)
-    for tokens, requests in bursts:
-        later = np.full((runner.decode_steps - 1, groups, tokens), NULL_PAGE * runner.page_size,
-                        np.int32)
-        flat, layout = pack_inputs(_padding_batch(runner, tokens, requests),
-                                   np.full(tokens, -1, np.int32), later)
-        out, runner.kv_cache, _ = decode_burst_step(
-            runner.model.model_state, runner.kv_cache, flat, runner._prev_tokens, layout)
-        jax.block_until_ready(out)
-        tick(f"decode burst tokens={tokens} requests={requests} steps={runner.decode_steps}")
+    _warm_bursts(runner, bursts, tick)
     seconds = time.perf_counter() - start
     log.info("warm-up compiled %d programs in %.1fs", total, seconds)
     return seconds

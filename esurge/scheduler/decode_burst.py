@@ -10,8 +10,9 @@ work once.
 A burst must not change what any request outputs, nor delay anyone: it is
 taken only when no request waits for admission (it would wait K steps), and
 every running request is in plain decode (one token to compute, no drafts),
-picks each token by argmax alone with nothing else asked per token
-(`SamplingParams.plain_greedy`) and has room for K more positions before
+samples each token from its logits, seed and position alone with nothing else
+asked per token (`SamplingParams.stateless_sampling`: greedy or sampled, no
+penalties, masks or logprobs) and has room for K more positions before
 max_model_len. A request with fewer than K tokens left to output, or that
 stops inside a burst (EOS, a stop token or string), keeps only the tokens up
 to its stop (the scheduler's stop check runs per token); the rest of its
@@ -61,7 +62,7 @@ class DecodeBurstPolicy:
         last_position = self.max_model_len - 1
         decoding = False
         for request in running:
-            if request.spec_token_ids or not request.sampling_params.plain_greedy:
+            if request.spec_token_ids or not request.sampling_params.stateless_sampling:
                 return 1
             if request.num_computed_tokens + k > last_position:
                 return 1

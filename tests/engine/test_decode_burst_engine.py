@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from esurge import SamplingParams, eSurge
+from esurge.runner.device_step import decode_burst_step, model_step, sample_step
 from tests.engine.conftest import NEW_TOKENS, engine_config, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -96,15 +97,45 @@ def test_streamed_bursts_add_up_to_the_output(burst_engine: eSurge) -> None:
     assert max(len(d.outputs[0].delta_token_ids) for d in deltas) == 4  # a burst's tokens
 
 
-def test_sampled_requests_run_plain_steps_beside_greedy_ones(
+def test_seeded_sampling_in_bursts_matches_plain_steps(burst_engine: eSurge,
+                                                       engine: eSurge) -> None:
+    # Draws are keyed by (seed, output position): a burst makes the same ones.
+    prompts = mixed_prompts()[:6]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, seed=11 + i,
+                             max_tokens=NEW_TOKENS, ignore_eos=True)
+              for i, (t, k, p, m) in enumerate([(0.8, None, 1.0, 0.0), (1.2, 20, 1.0, 0.0),
+                                                (0.9, None, 0.8, 0.0), (1.0, None, 1.0, 0.1),
+                                                (0.0, None, 1.0, 0.0), (0.7, 50, 0.9, 0.05)])]
+    before = burst_engine.scheduler.num_decode_bursts
+    got = _tokens(burst_engine.generate(prompts, params))
+    assert burst_engine.scheduler.num_decode_bursts > before
+    assert got == _tokens(engine.generate(prompts, params))
+
+
+def test_penalised_requests_run_plain_steps_beside_greedy_ones(
         burst_engine: eSurge, reference_greedy: list[list[int]]) -> None:
     prompts = mixed_prompts()[:4]
     params = [GREEDY] * 3 + [SamplingParams(temperature=0.8, seed=3, max_tokens=NEW_TOKENS + 8,
-                                            ignore_eos=True)]
+                                            ignore_eos=True, repetition_penalty=1.3)]
     before = burst_engine.scheduler.num_decode_bursts
     outs = burst_engine.generate(prompts, params)
     assert _tokens(outs)[:3] == reference_greedy[:3]
     assert burst_engine.scheduler.num_decode_bursts == before
+
+
+def test_no_compile_after_warmup(burst_engine: eSurge) -> None:
+    def compiled() -> tuple[int, ...]:
+        return tuple(f._cache_size() for f in (decode_burst_step, model_step, sample_step))
+
+    before = compiled()
+    bursts = burst_engine.scheduler.num_decode_bursts
+    for count in (16, 3):
+        burst_engine.generate(mixed_prompts()[:count], [
+            GREEDY, SamplingParams(temperature=0.9, top_k=8, seed=2, max_tokens=NEW_TOKENS,
+                                   ignore_eos=True)] * (count // 2) + [GREEDY] * (count % 2))
+        burst_engine.generate(mixed_prompts()[:count], GREEDY)
+    assert burst_engine.scheduler.num_decode_bursts > bursts
+    assert compiled() == before
 
 
 @pytest.mark.parametrize("bad", [0, 2.5, True])

@@ -83,12 +83,13 @@ def test_no_burst_while_a_request_waits_or_prefills() -> None:
 
 
 @pytest.mark.parametrize("params", [
-    {"temperature": 0.7, "seed": 1},
     {"temperature": 0.0, "logprobs": 2},
-    {"temperature": 0.0, "repetition_penalty": 1.2},
+    {"temperature": 0.7, "repetition_penalty": 1.2},
+    {"temperature": 0.0, "presence_penalty": 0.5},
+    {"temperature": 0.0, "logit_bias": {3: 1.0}},
     {"temperature": 0.0, "min_tokens": 2},
 ])
-def test_no_burst_when_a_request_is_not_plain_greedy(params: dict[str, object]) -> None:
+def test_no_burst_when_sampling_keeps_per_token_state(params: dict[str, object]) -> None:
     s = make_scheduler(decode_steps=4)
     s.add_request(make_request("plain", [1, 2, 3], 10, ignore_eos=True, temperature=0.0))
     s.add_request(make_request("other", [4, 5], 10, ignore_eos=True, **params))
@@ -98,6 +99,16 @@ def test_no_burst_when_a_request_is_not_plain_greedy(params: dict[str, object]) 
         out = s.schedule()
         assert out.num_decode_steps == 1
         s.update_from_output(out, runner.execute(out))
+
+
+def test_sampled_requests_take_bursts() -> None:
+    s = make_scheduler(decode_steps=4)
+    s.add_request(make_request("greedy", [1, 2, 3], 10, ignore_eos=True, temperature=0.0))
+    s.add_request(make_request("sampled", [4, 5], 10, ignore_eos=True, temperature=0.8,
+                               top_p=0.9, top_k=5, seed=7))
+    runner = FakeRunner(4)
+    _decode_all(s, runner)
+    assert s.schedule().num_decode_steps == 4
 
 
 def test_no_burst_near_max_model_len_or_without_free_pages() -> None:
