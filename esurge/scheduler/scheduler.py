@@ -211,8 +211,8 @@ class Scheduler(SchedulerInterface):
         """Decide the next forward pass (see the module docstring)."""
         budget = self.max_num_batched_tokens
         plan = StepPlan(self._burst.steps(
-            self.running, len(self.waiting), self.kv_cache_manager.num_free_pages,
-            lambda r: self._num_new_tokens(r, budget)))
+            self.running, len(self.waiting), len(self.running) >= self.max_num_running,
+            self.kv_cache_manager.num_free_pages, lambda r: self._num_new_tokens(r, budget)))
         budget = self._schedule_running(plan, budget)
         # A preemption means pages are short: admitting now would only thrash.
         if not plan.preempted:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +36,19 @@ def test_bursts_match_transformers(burst_engine: eSurge,
     assert burst_engine.scheduler.num_decode_bursts > before
     kv = burst_engine.scheduler.kv_cache_manager
     assert (kv.num_free_pages, kv.usage) == (kv.num_usable_pages, 0.0)
+
+
+def test_a_full_batch_with_a_queue_bursts_and_matches_transformers(
+        tiny_llama_dir: Path, reference_greedy: list[list[int]]) -> None:
+    # 4 slots for 16 requests: the queue never empties until the end.
+    config = engine_config()
+    config = dataclasses.replace(config, scheduler_config=dataclasses.replace(
+        config.scheduler_config, max_num_seqs=4, max_num_seq_buckets=(4,)))
+    with eSurge(tiny_llama_dir, config, show_progress=False, decode_steps=4) as llm:
+        outs = llm.generate(mixed_prompts(), GREEDY)
+        bursts = llm.scheduler.num_decode_bursts
+    assert _tokens(outs) == reference_greedy
+    assert bursts >= 16 * (NEW_TOKENS // 4) // 4 // 2  # most decode work ran in bursts
 
 
 def test_bursts_under_preemption_match_transformers(tiny_llama_dir: Path,

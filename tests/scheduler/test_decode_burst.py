@@ -70,16 +70,62 @@ def test_a_burst_schedules_k_tokens_per_request_and_k_placeholders() -> None:
     assert len(s.kv_cache_manager.get_pages("a").page_ids[0]) >= 3
 
 
-def test_no_burst_while_a_request_waits_or_prefills() -> None:
+def test_no_burst_while_a_request_could_be_admitted_or_prefills() -> None:
+    # 4 usable pages of 4 tokens: a (12-token prompt) holds 3, so b waits for
+    # pages though a slot is free; a burst would keep it out longer.
+    s = make_scheduler(decode_steps=4, num_pages=5, max_num_batched_tokens=64,
+                       max_model_len=16)
+    s.add_request(make_request("a", 12, 4, ignore_eos=True, temperature=0.0))
+    s.add_request(make_request("b", [4, 5, 6, 7, 8, 9, 10], 9, ignore_eos=True,
+                               temperature=0.0))
+    runner = FakeRunner(4)
+    seen = []
+    while s.has_requests():
+        waiting = len(s.waiting)
+        out = s.schedule()
+        if out.num_scheduled_tokens:
+            seen.append((waiting > 0, out.num_decode_steps))
+        s.update_from_output(out, runner.execute(out))
+    assert (True, 1) in seen and (True, 4) not in seen
+    assert (False, 4) in seen  # b alone, nobody waiting: bursts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_full_batch_bursts_until_a_request_nears_its_end(async_scheduling: bool) -> None:
+    s = make_scheduler(decode_steps=4, max_num_seqs=2, max_num_batched_tokens=64,
+                       async_scheduling=async_scheduling)
+    lengths = {"a": 14, "b": 9, "c": 6}
+    for rid, n in lengths.items():
+        s.add_request(make_request(rid, [ord(rid), 2, 3], n, ignore_eos=True, temperature=0.0))
+    runner = FakeRunner(4)
+    waiting_at_bursts = []
+    schedule = s.schedule
+
+    def recording_schedule():  # notes whether c was waiting at each burst
+        waiting = len(s.waiting)
+        out = schedule()
+        if out.num_decode_steps > 1:
+            waiting_at_bursts.append(waiting)
+        return out
+
+    s.schedule = recording_schedule  # type: ignore[method-assign]
+    got = run(s, runner)
+    for rid, n in lengths.items():
+        assert got.tokens[rid] == reference_output([ord(rid), 2, 3], n)
+    assert 1 in waiting_at_bursts  # bursts while c waited for a slot
+    kv = s.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+
+
+def test_no_burst_while_a_running_request_would_end_inside_it_and_others_wait() -> None:
     s = make_scheduler(decode_steps=4, max_num_seqs=1, max_num_batched_tokens=64)
-    s.add_request(make_request("a", [1, 2, 3], 10, ignore_eos=True, temperature=0.0))
-    # b waits (max_num_seqs=1) while a decodes.
+    s.add_request(make_request("a", [1, 2, 3], 3, ignore_eos=True, temperature=0.0))
     s.add_request(make_request("b", [4, 5, 6], 10, ignore_eos=True, temperature=0.0))
     runner = FakeRunner(4)
-    for _ in range(4):
-        out = s.schedule()
-        assert out.num_decode_steps == 1
-        s.update_from_output(out, runner.execute(out))
+    out = s.schedule()  # a's prompt; b waits for the only slot
+    s.update_from_output(out, runner.execute(out))
+    out = s.schedule()  # a has 2 tokens left: a burst would keep b out for 2 iterations
+    assert out.num_decode_steps == 1 and list(out.num_scheduled_tokens) == ["a"]
 
 
 @pytest.mark.parametrize("params", [
