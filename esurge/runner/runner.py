@@ -36,6 +36,7 @@ from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors
 from esurge.runner.spec_decoder import SpecDecoder, SpecStep
 from esurge.runner.step_inputs import StepInputs, build_step_inputs
 from esurge.runner.warmup import warm_up
+from esurge.scheduler.decode_burst import check_decode_steps
 from esurge.scheduler.output import SchedulerOutput
 from esurge.spec_decode.stats import SpecStatsSnapshot
 
@@ -82,14 +83,9 @@ class eSurgeRunner:
                  min_token_bucket: int = 16, decode_steps: int = 1) -> None:
         if not 0.0 < memory_fraction <= 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
-        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
-            raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
-        if decode_steps > 1 and config.num_speculative_tokens:
-            raise ValueError(f"decode_steps={decode_steps} with speculative decoding is not "
-                             "supported: a step either verifies drafts or runs a decode burst")
         # Decode iterations per step when the scheduler can take a burst
         # (Scheduler.from_runner reads this); warm-up compiles the burst program.
-        self.decode_steps = decode_steps
+        self.decode_steps = check_decode_steps(decode_steps, config.num_speculative_tokens)
         sched, cache = config.scheduler_config, config.cache_config
         self.model = model
         self.config = config

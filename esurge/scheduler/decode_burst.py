@@ -33,7 +33,20 @@ from collections.abc import Callable, Sequence
 
 from esurge.request import EngineRequest
 
-__all__ = ["DecodeBurstPolicy"]
+__all__ = ["DecodeBurstPolicy", "check_decode_steps"]
+
+
+def check_decode_steps(decode_steps: object, num_speculative_tokens: int) -> int:
+    """decode_steps as an int >= 1; ValueError naming it otherwise, or when it
+    is combined with speculative decoding (a step verifies drafts or bursts)."""
+    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
+        raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
+    if decode_steps > 1 and num_speculative_tokens:
+        raise ValueError(
+            f"decode_steps={decode_steps} with speculative decoding (num_speculative_tokens="
+            f"{num_speculative_tokens}) is not supported: a step either verifies drafts or "
+            "runs a decode burst")
+    return decode_steps
 
 
 class DecodeBurstPolicy:
@@ -43,9 +56,7 @@ class DecodeBurstPolicy:
 
     def __init__(self, decode_steps: int, max_model_len: int, max_num_batched_tokens: int,
                  page_size: int, num_groups: int) -> None:
-        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
-            raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
-        self.decode_steps = decode_steps
+        self.decode_steps = check_decode_steps(decode_steps, 0)
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         # The most new pages a request can need for K more positions (per group,

@@ -91,10 +91,9 @@ class SchedulerOutput:
 
     num_decode_steps > 1 marks a decode burst: every scheduled request is in
     plain decode with stateless sampling (SamplingParams.stateless_sampling)
-    and is scheduled num_decode_steps tokens, its last
-    known (or in-flight) token and the ones the step itself generates; the
-    runner runs that many decode iterations and returns one token per
-    iteration and request.
+    and is scheduled num_decode_steps tokens, its last known (or in-flight)
+    token and the ones the step itself generates; the runner runs that many
+    decode iterations and returns one token per iteration and request.
     """
 
     scheduled_new_reqs: list[NewRequestData]

@@ -40,7 +40,7 @@ from esurge.outputs import ModelRunnerOutput
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.scheduler.admission import check_fits
 from esurge.scheduler.buckets import SeqBuckets
-from esurge.scheduler.decode_burst import DecodeBurstPolicy
+from esurge.scheduler.decode_burst import DecodeBurstPolicy, check_decode_steps
 from esurge.scheduler.interface import SchedulerInterface
 from esurge.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from esurge.scheduler.request_queue import create_request_queue, priority_key
@@ -87,14 +87,9 @@ class Scheduler(SchedulerInterface):
                 "async_scheduling=True with speculative decoding (num_speculative_tokens="
                 f"{self.num_lookahead_tokens}) is not supported: the number of accepted "
                 "tokens must be known before the next step is scheduled")
-        self._burst = DecodeBurstPolicy(decode_steps, sched.max_model_len,
-                                        sched.max_num_batched_tokens, cache.page_size,
-                                        len(kv_cache_config.groups))
-        if decode_steps > 1 and self.num_lookahead_tokens:
-            raise ValueError(
-                f"decode_steps={decode_steps} with speculative decoding (num_speculative_tokens="
-                f"{self.num_lookahead_tokens}) is not supported: a step either verifies drafts "
-                "or runs a decode burst")
+        self._burst = DecodeBurstPolicy(
+            check_decode_steps(decode_steps, self.num_lookahead_tokens), sched.max_model_len,
+            sched.max_num_batched_tokens, cache.page_size, len(kv_cache_config.groups))
         self.config = config
         self.scheduler_config = sched
         self.max_model_len = sched.max_model_len
