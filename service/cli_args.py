@@ -183,9 +183,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=False, help="schedule step N+1 while step N runs")
     sched.add_argument("--decode-steps", type=_int_at_least(1), default=1,
                        help="decode iterations per step while every running request decodes "
-                            "without penalties, masks or logprobs and none waits: the same "
-                            "tokens, less host work, streamed in chunks of up to this many "
-                            "(default: %(default)s, off)")
+                            "without penalties, masks or logprobs and no waiting request "
+                            "could start: the same tokens, less host work, streamed in "
+                            "chunks of up to this many (default: %(default)s, off)")
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--num-pages", type=_int_at_least(1), default=None,
                        help="KV pages in the pool (default: sized from free memory)")

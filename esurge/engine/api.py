@@ -93,9 +93,9 @@ class eSurge:
     without a tokenizer, prompts must be token ids. config None derives one
     from the checkpoint (see default_config). decode_steps > 1 lets a step run
     that many decode iterations when every running request decodes with no
-    per-token sampling state (no penalties, masks or logprobs) and none waits
-    (esurge/scheduler/decode_burst.py): the same tokens, less host work per
-    token, deltas of up to decode_steps tokens.
+    per-token sampling state (no penalties, masks or logprobs) and no waiting
+    request could start (esurge/scheduler/decode_burst.py): the same tokens,
+    less host work per token, deltas of up to decode_steps tokens.
     """
 
     def __init__(self, model_dir: str | Path, config: Config | None = None,
@@ -115,8 +115,8 @@ class eSurge:
             self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
         if decode_steps > 1:
             log.info("decode bursts: up to %d decode iterations per step while every running "
-                     "request decodes without per-token sampling state and none waits",
-                     decode_steps)
+                     "request decodes without per-token sampling state and no waiting "
+                     "request could start", decode_steps)
         self.warmup_seconds = (self.runner.warmup(_print_progress if show_progress else None)
                                if warmup else 0.0)
         sched = self.config.scheduler_config
