@@ -87,13 +87,13 @@ def decode_burst_step(
     if later_slots is None:
         raise ValueError("decode_burst_step needs a layout packed with burst slots")
     real = batch.seq_lens > 0  # [R] padding requests keep seq_len 0
+    slot_maps = jnp.concatenate([batch.slot_mapping[None], later_slots])  # [K, G, T]
 
     def iteration(carry: tuple[KVCache, jax.Array], j: jax.Array
                   ) -> tuple[tuple[KVCache, jax.Array], jax.Array]:
         kv, ids = carry
-        slots = jnp.concatenate([batch.slot_mapping[None], later_slots])[j]
         step = dataclasses.replace(batch, input_ids=ids, positions=batch.positions + j,
-                                   slot_mapping=slots,
+                                   slot_mapping=slot_maps[j],
                                    seq_lens=jnp.where(real, batch.seq_lens + j, 0))
         logits, _, kv = forward(model_state, kv, step)
         if tensors is None:

@@ -101,23 +101,26 @@ class InputBatch:
 
     def record_sampled(self, req_ids: list[str], sampled: np.ndarray,  # [R] bool
                        positions: np.ndarray,  # [R] int32
-                       tokens: np.ndarray,  # [>= R] int32
+                       tokens: np.ndarray,  # [K, >= R] int32
                        ) -> None:
-        """Write request i's sampled token tokens[i] at positions[i] where
+        """Write request i's sampled tokens tokens[:, i] at positions[i] onwards
+        (K = 1 for a plain step, the burst length for a decode burst) where
         sampled[i], in one scatter; requests no longer in the batch (preempted
         by a step dispatched since) are skipped."""
         n = len(req_ids)
         rows = np.fromiter((self.row_of.get(r, -1) for r in req_ids), np.int64, n)
         keep = sampled & (rows >= 0)
-        rows, positions, tokens = rows[keep], positions[keep], tokens[:n][keep]
+        rows, tokens = rows[keep], tokens[:, :n][:, keep]  # [m], [K, m]
         if not len(rows):
             return
-        if int(positions.max()) >= self.max_model_len:
-            bad = self.req_ids[int(rows[int(positions.argmax())])]
+        at = positions[keep][None, :] + np.arange(len(tokens))[:, None]  # [K, m]
+        if int(at[-1].max()) >= self.max_model_len:
+            bad = self.req_ids[int(rows[int(at[-1].argmax())])]
             raise ValueError(f"request {bad!r} would exceed max_model_len")
-        self.token_ids[rows, positions] = tokens
-        self.num_known[rows] = np.maximum(self.num_known[rows], positions + 1)
-        self.sampling.observe_rows(rows, tokens)
+        self.token_ids[rows[None, :], at] = tokens
+        self.num_known[rows] = np.maximum(self.num_known[rows], at[-1] + 1)
+        for step_tokens in tokens:
+            self.sampling.observe_rows(rows, step_tokens)
 
     def record_tokens(self, row: int, start: int, tokens: list[int]) -> None:
         """Write tokens at positions [start, start + len) once their ids are known."""

@@ -215,14 +215,11 @@ class eSurgeRunner:
         n = len(inputs.req_ids)
         if inputs.num_steps > 1:  # [K, R]: every request samples each iteration
             sampled_ids = tokens[:, :n].T.tolist()
-            for j in range(inputs.num_steps):
-                self.input_batch.record_sampled(inputs.req_ids, inputs.samples,
-                                                inputs.seq_lens + j, tokens[j])
         else:
             sampled_ids = [[token] if sampled_row else [] for token, sampled_row
                            in zip(tokens[:n].tolist(), inputs.samples.tolist(), strict=True)]
-            self.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens,
-                                            tokens)
+            tokens = tokens[None]
+        self.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens)
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},

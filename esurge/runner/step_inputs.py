@@ -79,20 +79,6 @@ def _logits_rows(ends: np.ndarray, num_drafts: np.ndarray, r_bucket: int,
     return out
 
 
-def _token_layout(computed: np.ndarray,  # [R] tokens already in the cache per request
-                  n_sched: np.ndarray,  # [R] tokens scheduled per request
-                  total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(starts [R], ends [R], req_of_token [T], positions [T]) of the flat token rows."""
-    if total == len(n_sched):  # one token per request (decode): no repeats needed
-        req_of_token = np.arange(total)
-        return req_of_token, req_of_token + 1, req_of_token, computed.astype(np.int64)
-    ends = np.cumsum(n_sched)
-    starts = ends - n_sched
-    req_of_token = np.repeat(np.arange(len(n_sched)), n_sched)
-    return starts, ends, req_of_token, computed[req_of_token] + (np.arange(total)
-                                                                   - starts[req_of_token])
-
-
 QUERY_TILE = 16
 
 
@@ -128,9 +114,12 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
                np.array([so.num_scheduled_tokens[r] for r in sched], np.int64))
     num_reqs, total = len(sched), int(n_sched.sum())
     t_bucket, r_bucket = buckets.tokens_for(total), buckets.requests_for(num_reqs)
+    ends = np.cumsum(n_sched)
+    starts = ends - n_sched
     num_drafts = (_write_drafts(ib, sched, rows, so.scheduled_spec_decode_tokens) if num_spec
                   else np.zeros(num_reqs, np.int32))
-    starts, ends, req_of_token, positions = _token_layout(ib.num_computed[rows], n_sched, total)
+    req_of_token = np.repeat(np.arange(num_reqs), n_sched)
+    positions = ib.num_computed[rows][req_of_token] + (np.arange(total) - starts[req_of_token])
     token_rows = rows[req_of_token]
     ids = ib.token_ids[token_rows, positions]
     unknown = positions >= ib.num_known[token_rows] + num_drafts[req_of_token]
