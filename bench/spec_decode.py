@@ -1,7 +1,7 @@
 """Eagle speculative decoding: generated tokens/s with and without it, same run.
 
-The default model (models/default) with and without its Eagle head
-(models/default-eagle), greedy, ignore_eos, float32: batches of 1, 4 and 16
+The default model (models/tiny-stdlib) with and without its Eagle head
+(models/tiny-stdlib-eagle), greedy, ignore_eos, float32: batches of 1, 4 and 16
 prompts of 128 tokens cut from held-out standard-library files, 128 new
 tokens each. Both engines are warmed up fully (no compile while timed) and
 the prefix cache is off, so every timed set does its whole prefill. For each
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
 def main() -> int:
     """Parse arguments, run, print a summary table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=REPO / "models" / "default")
-    p.add_argument("--head", type=Path, default=REPO / "models" / "default-eagle")
+    p.add_argument("--model", type=Path, default=REPO / "models" / "tiny-stdlib")
+    p.add_argument("--head", type=Path, default=REPO / "models" / "tiny-stdlib-eagle")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batches", default="1,4,16")

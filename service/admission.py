@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from google.rpc import status_pb2
 
+from esurge.engine.inputs import Prompt
 from esurge.engine.loop import EngineDeadError
+from esurge.errors import InvalidInputError
 from generated.esurge.v1 import engine_pb2
 from service.convert import SAMPLING_FIELDS, GenerationRequest, engine_request_from_proto
 from service.errors import (
@@ -72,7 +74,15 @@ def metadata_request_id(metadata: Sequence[tuple[str, str | bytes]] | None) -> s
 
 
 def _prompt_field(request: GenerationRequest) -> str:
+    if request.chat is not None:
+        return "chat"
     return "prompt_text" if request.prompt_text is not None else "prompt_token_ids"
+
+
+# Library field names of chat input errors -> the proto field under the request.
+_CHAT_FIELDS = {"chat": "chat", "messages": "chat.messages", "messages.role": "chat.messages",
+                "messages.content": "chat.messages", "template_kwargs": "chat.template_kwargs",
+                "add_generation_prompt": "chat.add_generation_prompt"}
 
 
 def _engine_refusal_field(message: str, request: GenerationRequest) -> str | None:
@@ -105,6 +115,8 @@ def engine_error_violation(error: ValueError, request: GenerationRequest,
     the request as a whole.
     """
     message = str(error) or type(error).__name__
+    if isinstance(error, InvalidInputError) and error.field in _CHAT_FIELDS:
+        return FieldViolation(join_field_path(field_prefix, _CHAT_FIELDS[error.field]), message)
     field = _engine_refusal_field(message, request)
     if field is None:
         name = field_name_from_message(message, SAMPLING_FIELDS)
@@ -158,8 +170,9 @@ def parse_request(msg: engine_pb2.EngineRequest, prefix: str) -> GenerationReque
 async def submit_or_status(bridge: EngineBridge, request: GenerationRequest, request_id: str,
                            sink: Sink, prefix: str) -> status_pb2.Status | None:
     """Submit to the engine; None on success, else the `google.rpc.Status` refusing it."""
-    prompt = (request.prompt_token_ids if request.prompt_token_ids is not None
-              else request.prompt_text or "")
+    prompt: Prompt = (request.chat if request.chat is not None
+                      else request.prompt_token_ids if request.prompt_token_ids is not None
+                      else request.prompt_text or "")
     try:
         await bridge.submit(request_id, prompt, request.sampling_params, sink,
                             priority=request.priority, cache_salt=request.cache_salt)

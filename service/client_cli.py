@@ -1,6 +1,7 @@
 """`esurge-client`: talk to an esurge-serve from the terminal.
 
     esurge-client generate "def fibonacci(n):" --max-tokens 64
+    esurge-client chat "What is the capital of France?" --system "Answer briefly."
     esurge-client tokenize "hello world"
     esurge-client info
     esurge-client health            # exit status 0 only when SERVING
@@ -17,9 +18,10 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from esurge.engine.chat import ChatMessage, ChatPrompt
 from esurge.sampling_params import SamplingParams
 from generated.esurge.v1 import engine_pb2
-from service.client import EngineClient, channel_credentials
+from service.client import EngineClient, Prompt, channel_credentials
 from service.errors import field_violations, status_from_rpc_error
 
 __all__ = ["build_parser", "main"]
@@ -31,6 +33,19 @@ def _token_ids(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"must be token ids separated by spaces or commas, got {text!r}") from None
+
+
+def _add_sampling_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--max-tokens", type=int, default=64)
+    command.add_argument("--temperature", type=float, default=0.0)
+    command.add_argument("--top-p", type=float, default=1.0)
+    command.add_argument("--top-k", type=int, default=None)
+    command.add_argument("--seed", type=int, default=None)
+    command.add_argument("--stop", action="append", default=[],
+                         help="stop string (repeatable)")
+    command.add_argument("--ignore-eos", action="store_true")
+    command.add_argument("--show-ids", action="store_true",
+                         help="print the generated token ids instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,15 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="prompt text (or token ids with --token-ids)")
     gen.add_argument("--token-ids", action="store_true",
                      help="the prompt is token ids separated by spaces or commas")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--show-ids", action="store_true",
-                     help="print the generated token ids instead of text")
+    _add_sampling_flags(gen)
+    chat = commands.add_parser("chat", help="one chat turn, rendered with the model's chat "
+                                            "template, streamed to stdout")
+    chat.add_argument("prompt", help="the user's message")
+    chat.add_argument("--system", default=None, help="a system message before it")
+    _add_sampling_flags(chat)
     tok = commands.add_parser("tokenize", help="print the token ids of a text")
     tok.add_argument("text")
     tok.add_argument("--no-special-tokens", action="store_true")
@@ -76,8 +88,15 @@ def _client(args: argparse.Namespace) -> EngineClient:
     return EngineClient(args.target, credentials=credentials, timeout=args.timeout)
 
 
+def _prompt(args: argparse.Namespace) -> Prompt:
+    if args.command == "chat":
+        messages = [] if args.system is None else [ChatMessage("system", args.system)]
+        return ChatPrompt((*messages, ChatMessage("user", args.prompt)))
+    return _token_ids(args.prompt) if args.token_ids else str(args.prompt)
+
+
 def _generate(client: EngineClient, args: argparse.Namespace) -> int:
-    prompt: str | list[int] = _token_ids(args.prompt) if args.token_ids else args.prompt
+    prompt = _prompt(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop), ignore_eos=args.ignore_eos)
@@ -103,7 +122,7 @@ def _to_json(message: Any) -> dict[str, Any]:
 
 
 def _run(client: EngineClient, args: argparse.Namespace) -> int:
-    if args.command == "generate":
+    if args.command in ("generate", "chat"):
         return _generate(client, args)
     if args.command == "tokenize":
         ids = client.tokenize(args.text, add_special_tokens=not args.no_special_tokens)

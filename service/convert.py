@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from google.protobuf import json_format
+
+from esurge.engine.chat import ChatMessage, ChatPrompt
 from esurge.engine_types import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -140,8 +143,9 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
 class GenerationRequest:
     """A client request, validated and in engine terms.
 
-    Exactly one of prompt_token_ids / prompt_text is set. request_id None
-    means the client left the id to the server; cache_salt None means no salt.
+    Exactly one of prompt_token_ids / prompt_text / chat is set. request_id
+    None means the client left the id to the server; cache_salt None means no
+    salt.
     """
 
     request_id: str | None
@@ -153,17 +157,51 @@ class GenerationRequest:
     return_text: bool = True
     return_prompt_token_ids: bool = False
     return_events: bool = False
+    chat: ChatPrompt | None = None
 
     def __post_init__(self) -> None:
-        if (self.prompt_token_ids is None) == (self.prompt_text is None):
+        prompts = [p for p in (self.prompt_token_ids, self.prompt_text, self.chat)
+                   if p is not None]
+        if len(prompts) != 1:
             raise ValueError(
-                "exactly one of prompt_token_ids and prompt_text must be set, got "
-                f"prompt_token_ids={self.prompt_token_ids!r}, prompt_text={self.prompt_text!r}"
+                "exactly one of prompt_token_ids, prompt_text and chat must be set, got "
+                f"prompt_token_ids={self.prompt_token_ids!r}, prompt_text={self.prompt_text!r}, "
+                f"chat={self.chat!r}"
             )
         if self.request_id == "":
             raise ValueError("request_id must be None or a non-empty string, got ''")
         if self.cache_salt == "":
             raise ValueError("cache_salt must be None or a non-empty string, got ''")
+
+
+def chat_from_proto(msg: engine_pb2.ChatInput, prefix: str) -> ChatPrompt:
+    """The engine's ChatPrompt; InvalidFieldError names the bad field under `prefix`."""
+    violations = [FieldViolation(join_field_path(prefix, f"messages[{i}].role"),
+                                 "role must not be empty")
+                  for i, m in enumerate(msg.messages) if not m.role]
+    if not msg.messages:
+        violations.append(FieldViolation(join_field_path(prefix, "messages"),
+                                         "messages must hold at least one message"))
+    if violations:
+        raise InvalidFieldError(violations)
+    kwargs = json_format.MessageToDict(msg.template_kwargs) if msg.HasField(
+        "template_kwargs") else {}
+    return ChatPrompt(
+        tuple(ChatMessage(m.role, m.content) for m in msg.messages),
+        add_generation_prompt=(msg.add_generation_prompt
+                               if msg.HasField("add_generation_prompt") else True),
+        template_kwargs=kwargs)
+
+
+def chat_to_proto(chat: ChatPrompt) -> engine_pb2.ChatInput:
+    """The proto form of a ChatPrompt (what a client sends)."""
+    msg = engine_pb2.ChatInput(
+        messages=[engine_pb2.ChatMessage(role=m.role, content=m.content)
+                  for m in chat.messages],
+        add_generation_prompt=chat.add_generation_prompt)
+    if chat.template_kwargs:
+        msg.template_kwargs.update(dict(chat.template_kwargs))
+    return msg
 
 
 def _prompt_from_proto(
@@ -182,7 +220,7 @@ def _prompt_from_proto(
         return None, None, FieldViolation(join_field_path(prefix, "prompt_text"),
                                           "prompt_text must not be empty")
     return None, None, FieldViolation(join_field_path(prefix, "prompt"),
-                                      "one of prompt_token_ids or prompt_text must be set")
+                                      "one of prompt_token_ids, prompt_text or chat must be set")
 
 
 def engine_request_from_proto(
@@ -196,9 +234,18 @@ def engine_request_from_proto(
     later, by the engine (`SamplingParams.validate_for_vocab`).
     """
     violations: list[FieldViolation] = []
-    token_ids, text, prompt_problem = _prompt_from_proto(msg, field_prefix)
-    if prompt_problem is not None:
-        violations.append(prompt_problem)
+    chat: ChatPrompt | None = None
+    token_ids: tuple[int, ...] | None = None
+    text: str | None = None
+    if msg.WhichOneof("prompt") == "chat":
+        try:
+            chat = chat_from_proto(msg.chat, join_field_path(field_prefix, "chat"))
+        except InvalidFieldError as err:
+            violations.extend(err.violations)
+    else:
+        token_ids, text, prompt_problem = _prompt_from_proto(msg, field_prefix)
+        if prompt_problem is not None:
+            violations.append(prompt_problem)
     params: SamplingParams | None = None
     try:
         params = sampling_params_from_proto(
@@ -218,6 +265,7 @@ def engine_request_from_proto(
         return_text=options.return_text if options.HasField("return_text") else True,
         return_prompt_token_ids=options.return_prompt_token_ids,
         return_events=options.return_events,
+        chat=chat,
     )
 
 
@@ -238,6 +286,8 @@ def engine_request_to_proto(request: GenerationRequest) -> engine_pb2.EngineRequ
         msg.prompt_token_ids.token_ids.extend(request.prompt_token_ids)
     elif request.prompt_text is not None:
         msg.prompt_text = request.prompt_text
+    elif request.chat is not None:
+        msg.chat.CopyFrom(chat_to_proto(request.chat))
     return msg
 
 

@@ -46,7 +46,9 @@ def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
     if pad is not None:
         special.pad_token_id = pad
     return service_pb2.GetModelInfoResponse(
-        model_name=model.model_dir.resolve().name,
+        # A directory's name, or a GGUF file's name without its extension.
+        model_name=(model.model_dir.resolve().stem if model.source_kind == "gguf"
+                    else model.model_dir.resolve().name),
         architecture=model.architecture,
         model_type=str(getattr(hf, "model_type", "")),
         max_model_len=engine.config.scheduler_config.max_model_len,
@@ -57,8 +59,10 @@ def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
             max_logprobs=MAX_LOGPROBS,
             has_tokenizer=engine.tokenizer is not None,
             max_n=MAX_N,
+            has_chat_template=engine.chat_template is not None,
         ),
         dtype=model.dtype,
+        checkpoint_format=model.source_kind,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -9,6 +10,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+# Each turn is "<s>role\ncontent</s>\n"; the reply opens with "<s>assistant\n".
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +30,10 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
-    """A random 2-layer Llama (hidden 64, GQA 4/2, vocab 512) with the tiny tokenizer.
+    """A random 2-layer Llama (hidden 64, GQA 4/2, vocab 512) with the tiny tokenizer
+    and a ChatML-like chat template (TINY_CHAT_TEMPLATE).
 
-    Token ids: 0 <pad>, 1 <s> (bos), 2 </s> (eos).
+    Token ids: 0 <pad>, 1 <s> (bos), 2 </s> (eos, the end of a turn).
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -38,6 +46,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir:
     )
     out = tmp_path_factory.mktemp("tiny_llama")
     LlamaForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_tokenizer_dir / name, out / name)
+    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", out / "tokenizer.json")
+    settings = json.loads((tiny_tokenizer_dir / "tokenizer_config.json").read_text())
+    settings["chat_template"] = TINY_CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(settings))
     return out

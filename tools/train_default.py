@@ -1,4 +1,4 @@
-"""Train the default model (models/default): a small Llama on the Python standard library.
+"""Train the default model (models/tiny-stdlib): a small Llama on the Python standard library.
 
     nice -n 10 .venv/bin/python tools/train_default.py            # the shipped model
     .venv/bin/python tools/train_default.py --smoke --work-dir W --out-dir O   # seconds
@@ -62,7 +62,7 @@ FULL_DEFAULTS: dict[str, Any] = {
     "vocab_size": 4096, "hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
     "intermediate_size": 688, "context": 512, "batch_size": 8, "steps": 300, "warmup_steps": 25,
     "max_files": None, "checkpoint_every": 25, "eval_every": 50, "log_every": 5,
-    "quick_eval_windows": 16, "work_dir": "/tmp/train_default", "out_dir": "models/default",
+    "quick_eval_windows": 16, "work_dir": "/tmp/train_default", "out_dir": "models/tiny-stdlib",
 }
 # A tiny model on a dozen files: exercises every stage in seconds (used by the tests).
 SMOKE_DEFAULTS: dict[str, Any] = {
@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--isolate-newlines", action="store_true",
                    help="tokenizer: every newline is its own token (not used for the shipped "
-                        "model; see models/default/README.md)")
+                        "model; see models/tiny-stdlib/README.md)")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="end this run after this step (as if interrupted)")
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",

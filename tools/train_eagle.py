@@ -2,10 +2,10 @@
 
     .venv/bin/python tools/train_eagle.py --target T --out O --layout eagle1 --steps 50
 
-The shipped head (models/default-eagle, ~22 min on 2 CPU cores) came from:
+The shipped head (models/tiny-stdlib-eagle, ~22 min on 2 CPU cores) came from:
 
-    .venv/bin/python tools/train_eagle.py --target models/default --out models/default-eagle \
-        --layout eagle3 --aux-layers 2,3,4 --draft-vocab 3072 --steps 400 --log-every 20 \
+    .venv/bin/python tools/train_eagle.py --target models/tiny-stdlib \
+        --out models/tiny-stdlib-eagle --layout eagle3 --aux-layers 2,3,4 --draft-vocab 3072 --steps 400 --log-every 20 \
         --distill-prompts 384 --distill-tokens 128 --eval-prompts 32 --eval-k 4
 
 Data: windows of the given text files (default: the standard library files

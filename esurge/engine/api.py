@@ -17,12 +17,15 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from esurge.config import CacheConfig, Config, SchedulerConfig
+from esurge.engine.chat import ChatMessage, ChatPrompt, ChatTemplate
 from esurge.engine.core import EngineCore
 from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestOutput
+from esurge.models.checkpoint import hf_tokenizer_of
 from esurge.models.loader import LoadedModel, load_model
+from esurge.packaged import resolve_model_path
 from esurge.runner.runner import eSurgeRunner
 from esurge.sampling_params import SamplingParams
 from esurge.scheduler.scheduler import Scheduler
@@ -61,14 +64,29 @@ def _effective_config(config: Config) -> Config:
     return config
 
 
-def _load_tokenizer(path: Path) -> Tokenizer | None:
-    file = path / "tokenizer.json"
-    return Tokenizer.from_file(str(file)) if file.is_file() else None
+def _load_tokenizer(model: LoadedModel, tokenizer_dir: Path | None
+                    ) -> tuple[Tokenizer | None, ChatTemplate | None]:
+    """The engine's tokenizer and chat template.
+
+    An HF directory (the checkpoint's, or `tokenizer_dir`) encodes with its
+    tokenizer.json as it is, and takes its chat template, if any, from the
+    transformers tokenizer of the same files; a GGUF's tokenizer is the one
+    transformers rebuilds from the file's metadata.
+    """
+    hf_tokenizer = model.hf_tokenizer if tokenizer_dir is None else hf_tokenizer_of(tokenizer_dir)
+    if tokenizer_dir is None and model.source_kind == "gguf":
+        backend = None if hf_tokenizer is None else hf_tokenizer.backend_tokenizer
+    else:
+        file = (tokenizer_dir or model.model_dir) / "tokenizer.json"
+        backend = Tokenizer.from_file(str(file)) if file.is_file() else None
+    if backend is None:
+        return None, None
+    return backend, ChatTemplate.of(hf_tokenizer, model.eos_token_ids)
 
 
 def _prompt_list(prompts: Sequence[Prompt] | Prompt) -> list[Prompt]:
-    """A single prompt (text or token ids) or a list of them, as a list."""
-    if isinstance(prompts, str):
+    """A single prompt (text, token ids, chat) or a list of them, as a list."""
+    if isinstance(prompts, str | ChatPrompt):
         return [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
@@ -89,25 +107,28 @@ def _print_progress(done: int, total: int, what: str) -> None:
 class eSurge:
     """A loaded model served by a continuous-batching engine on a background thread.
 
-    model_dir holds config.json, *.safetensors and (optionally) tokenizer.json;
-    without a tokenizer, prompts must be token ids. config None derives one
-    from the checkpoint (see default_config). decode_steps > 1 lets a step run
-    that many decode iterations when every running request decodes with no
-    per-token sampling state (no penalties, masks or logprobs) and no waiting
-    request could start (esurge/scheduler/decode_burst.py): the same tokens,
-    less host work per token, deltas of up to decode_steps tokens.
+    model_dir is an HF checkpoint directory (config.json, *.safetensors and,
+    optionally, tokenizer.json) or a single .gguf file; without a tokenizer,
+    prompts must be token ids. config None derives one from the checkpoint
+    (see default_config). dtype "auto" picks the checkpoint's precision where
+    this backend runs it fast (float32 on CPU; esurge.models.loader.resolve_dtype).
+    decode_steps > 1 lets a step run that many decode iterations when every
+    running request decodes with no per-token sampling state (no penalties,
+    masks or logprobs) and no waiting request could start
+    (esurge/scheduler/decode_burst.py): the same tokens, less host work per
+    token, deltas of up to decode_steps tokens.
     """
 
     def __init__(self, model_dir: str | Path, config: Config | None = None,
-                 dtype: str = "float32", *, tokenizer_dir: str | Path | None = None,
+                 dtype: str = "auto", *, tokenizer_dir: str | Path | None = None,
                  memory_fraction: float = 0.25, warmup: bool = True,
                  show_progress: bool = True, min_token_bucket: int = 16,
                  decode_steps: int = 1) -> None:
-        model_path = Path(model_dir)
-        self.model = load_model(model_path, dtype)
+        self.model = load_model(resolve_model_path(model_dir), dtype)
         self.config = config if config is not None else default_config(self.model)
         self._check_config(self.config)
-        self.tokenizer = _load_tokenizer(Path(tokenizer_dir) if tokenizer_dir else model_path)
+        self.tokenizer, self.chat_template = _load_tokenizer(
+            self.model, Path(tokenizer_dir) if tokenizer_dir else None)
         self.runner = eSurgeRunner(self.model, _effective_config(self.config),
                                    memory_fraction=memory_fraction,
                                    min_token_bucket=min_token_bucket, decode_steps=decode_steps)
@@ -121,7 +142,8 @@ class eSurge:
                                if warmup else 0.0)
         sched = self.config.scheduler_config
         self.inputs = InputProcessor(self.tokenizer, self.model.vocab_size,
-                                     self.model.eos_token_ids, sched.max_model_len)
+                                     self.model.eos_token_ids, sched.max_model_len,
+                                     self.chat_template)
         core = EngineCore(self.scheduler, self.runner,
                           async_scheduling=self.runner.config.scheduler_config.async_scheduling)
         self._loop = EngineLoop(core, OutputProcessor(self.tokenizer))
@@ -220,6 +242,16 @@ class eSurge:
                 raise item
             done[item.request_id] = item
         return [done[rid] for rid in ids]
+
+    def chat(self, messages: Sequence[ChatMessage | dict[str, Any]] | ChatPrompt,
+             sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Answer a conversation, rendered with the model's chat template.
+
+        messages: dicts with "role" and "content" (or ChatMessages), or a
+        ChatPrompt for add_generation_prompt / template variables. The reply
+        ends at the template's end-of-turn token."""
+        [output] = self.generate([ChatPrompt.of(messages)], sampling_params)
+        return output
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
                request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:

@@ -9,12 +9,15 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
+from esurge.engine.chat import ChatPrompt, ChatTemplate
+from esurge.errors import InvalidInputError
 from esurge.request import EngineRequest
 from esurge.sampling_params import SamplingParams
 
-__all__ = ["InputProcessor", "PreparedRequest"]
+__all__ = ["InputProcessor", "PreparedRequest", "Prompt"]
 
-Prompt = str | Sequence[int]
+# Text, token ids, or a conversation for the model's chat template.
+Prompt = str | Sequence[int] | ChatPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +51,10 @@ class InputProcessor:
     """Tokenizes, validates against the model, and resolves model defaults."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+                 eos_token_ids: tuple[int, ...], max_model_len: int,
+                 chat_template: ChatTemplate | None = None) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self._extra_eos = tuple(eos_token_ids[1:])
@@ -68,8 +73,12 @@ class InputProcessor:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
-        if isinstance(prompt, str):
-            text: str | None = prompt
+        text: str | None
+        if isinstance(prompt, ChatPrompt):
+            text, ids = self._render_chat(prompt)
+            params = self._stop_at_end_of_turn(params)
+        elif isinstance(prompt, str):
+            text = prompt
             ids = self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
@@ -89,6 +98,25 @@ class InputProcessor:
             raise ValueError(f"priority must be an int, got {priority!r}")
         return PreparedRequest(request_id, text, ids, params, priority, cache_salt or None,
                                time.time())
+
+    def _render_chat(self, prompt: ChatPrompt) -> tuple[str, list[int]]:
+        if self.chat_template is None or self.tokenizer is None:
+            # The whole chat input is at fault, not one of its messages.
+            raise InvalidInputError("chat", "this model has no chat template; send a text "
+                                            "or token-id prompt instead")
+        text = self.chat_template.render(prompt)
+        # The template writes its special tokens itself.
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _stop_at_end_of_turn(self, params: SamplingParams) -> SamplingParams:
+        """A chat reply ends at the template's end-of-turn tokens, unless ignore_eos."""
+        if self.chat_template is None or params.ignore_eos:
+            return params
+        extra = tuple(t for t in self.chat_template.end_of_turn_ids
+                      if t not in params.stop_token_ids and t != self.eos_token_id)
+        if not extra:
+            return params
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
 
     def _resolve(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, object] = {}

@@ -3,7 +3,7 @@
 Switched on by the engine config:
 
     Config(..., speculative_config=SpeculativeConfig(num_speculative_tokens=4,
-                                                     speculative_model="models/default-eagle"))
+                                                     speculative_model="models/tiny-stdlib-eagle"))
 
 Each engine step then verifies the drafts of the previous step in the target's
 forward (greedy: token-identical to plain decoding; sampling: speculative

@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from esurge.models import SUPPORTED_ARCHITECTURES, load_model, policy_for
+from esurge.models.checkpoint import MissingTensorError
 from tests.models.checkpoints import save_checkpoint
 from tests.models.conftest import Pair
 from tests.models.paged import PagedSession, Row, hf_logits
@@ -54,10 +55,9 @@ def test_missing_tensor_is_named(llama_copy: Path) -> None:
         del weights["model.layers.1.mlp.up_proj.weight"]
 
     rewrite_weights(llama_copy, drop)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(MissingTensorError) as err:
         load_model(llama_copy)
-    assert str(err.value) == (
-        f"checkpoint in {llama_copy} is missing tensor 'model.layers.1.mlp.up_proj.weight'")
+    assert (err.value.path, err.value.name) == (llama_copy, "model.layers.1.mlp.up_proj.weight")
 
 
 def test_misshaped_tensor_is_named(llama_copy: Path) -> None:
@@ -81,7 +81,8 @@ def test_pickled_checkpoints_are_not_read(llama_copy: Path) -> None:
 def test_bad_dtype_and_missing_config_are_refused(llama_copy: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         load_model(llama_copy, dtype="float16")
-    assert str(err.value) == "dtype must be one of ['bfloat16', 'float32'], got 'float16'"
+    assert str(err.value) == ("dtype must be 'auto' or one of ['bfloat16', 'float32'], "
+                              "got 'float16'")
     with pytest.raises(ValueError) as err:
         load_model(tmp_path)
     assert str(err.value) == f"{tmp_path} has no config.json"

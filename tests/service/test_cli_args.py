@@ -41,7 +41,7 @@ def test_defaults_give_the_documented_config(model_dir: Path) -> None:
     assert (args.dtype, args.log_level) == ("auto", "info")
     assert (args.max_message_bytes, args.max_queued_requests) == (16 * 1024 * 1024, 1024)
     assert args.max_concurrent_streams is None and args.grace_period == 30.0
-    assert args.tls_cert is None and args.model == model_dir and args.decode_steps == 1
+    assert args.tls_cert is None and args.model == str(model_dir) and args.decode_steps == 1
     assert build_config(args, model_max_len=4096) == Config(
         scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096,
                                          max_model_len=4096),
@@ -118,9 +118,18 @@ def test_bad_single_value_names_the_flag(
     assert expected in _exit_message(capsys, ["--model", str(model_dir), *flags])
 
 
-def test_missing_model_dir_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    message = _exit_message(capsys, ["--model", str(tmp_path / "absent")])
-    assert "argument --model: no such directory" in message
+def test_missing_model_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from service.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(tmp_path / "absent")])
+    assert info.value.code == 2
+    assert ("argument --model: " f"{str(tmp_path / 'absent')!r} is neither a checkpoint "
+            "directory, a .gguf file nor a packaged model name") in capsys.readouterr().err
+
+
+def test_the_default_model_is_the_packaged_one() -> None:
+    assert parse_args([]).model == "smollm2-135m-instruct"
 
 
 @pytest.mark.parametrize(

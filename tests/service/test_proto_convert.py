@@ -150,7 +150,8 @@ def test_request_reports_every_violation_under_the_prefix() -> None:
         convert.engine_request_from_proto(msg, field_prefix="request")
     assert [v.field for v in info.value.violations] == [
         "request.prompt", "request.sampling_params.top_p"]
-    assert "request.prompt: one of prompt_token_ids or prompt_text must be set" in str(info.value)
+    assert ("request.prompt: one of prompt_token_ids, prompt_text or chat must be set"
+            in str(info.value))
 
 
 @pytest.mark.parametrize(

@@ -138,7 +138,8 @@ def test_a_missing_model_directory_is_named(model: str) -> None:
     done = subprocess.run([sys.executable, "-m", "service", "--model", model], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2
-    assert f"argument --model: no such directory: '{model}'" in done.stderr
+    assert (f"argument --model: '{model}' is neither a checkpoint directory, a .gguf file "
+            "nor a packaged model name") in done.stderr
 
 
 def test_a_directory_without_config_json_is_refused(tmp_path: Path) -> None:

@@ -11,13 +11,13 @@ import pytest
 from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, SpeculativeConfig, eSurge
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL, HEAD = REPO / "models" / "default", REPO / "models" / "default-eagle"
+MODEL, HEAD = REPO / "models" / "tiny-stdlib", REPO / "models" / "tiny-stdlib-eagle"
 K = 4
 NEW_TOKENS = 64
 
 pytestmark = pytest.mark.skipif(
     not (MODEL / "model.safetensors").is_file() or not (HEAD / "config.json").is_file(),
-    reason="models/default or models/default-eagle is not present")
+    reason="models/tiny-stdlib or models/tiny-stdlib-eagle is not present")
 
 
 def held_out_prompts(count: int) -> list[list[int]]:
@@ -45,6 +45,6 @@ def test_trained_head_acceptance_and_exact_tokens() -> None:
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert spec == plain
     assert stats is not None
-    print(f"default-eagle: mean acceptance length {stats.mean_acceptance_length:.2f} at k={K}, "
+    print(f"tiny-stdlib-eagle: mean acceptance length {stats.mean_acceptance_length:.2f} at k={K}, "
           f"acceptance rate {stats.acceptance_rate:.2f}")
     assert stats.mean_acceptance_length >= 2.5

@@ -1,4 +1,4 @@
-"""The shipped default model (models/default): loadable by transformers and by our
+"""The shipped default model (models/tiny-stdlib): loadable by transformers and by our
 engine, identical greedy tokens on both, and a real (if small) Python model."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.models.paged import PagedSession, Row, hf_logits
 from tools.lm_data import HELDOUT_EVERY, HELDOUT_OFFSET
 from tools.tokenizer_training import stdlib_files
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "default"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-stdlib"
 PROMPTS = ["def main():\n", "import os\nimport sys\n\n", "class Point:\n    def __init__(self",
            "    for i in range(len(items)):\n"]
 NEW_TOKENS = 32

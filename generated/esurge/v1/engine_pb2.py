@@ -23,33 +23,38 @@ _sym_db = _symbol_database.Default()
 
 
 from generated.esurge.v1 import sampling_pb2 as esurge_dot_v1_dot_sampling__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65surge/v1/engine.proto\x12\tesurge.v1\x1a\x18\x65surge/v1/sampling.proto\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x81\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.esurge.v1.TokenIdsH\x00\x12\x15\n\x0bprompt_text\x18\x03 \x01(\tH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.esurge.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x30\n\x0eoutput_options\x18\x07 \x01(\x0b\x32\x18.esurge.v1.OutputOptionsB\x08\n\x06prompt\"q\n\rOutputOptions\x12\x18\n\x0breturn_text\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1f\n\x17return_prompt_token_ids\x18\x02 \x01(\x08\x12\x15\n\rreturn_events\x18\x03 \x01(\x08\x42\x0e\n\x0c_return_text\"R\n\x0f\x45ngineCoreEvent\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.esurge.v1.EngineCoreEventType\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\"B\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\">\n\x10PositionLogprobs\x12*\n\x08logprobs\x18\x01 \x01(\x0b\x32\x18.esurge.v1.TokenLogprobs\"\x94\x03\n\x10\x45ngineCoreOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12.\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x18.esurge.v1.TokenLogprobs\x12\x38\n\x13new_prompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.esurge.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.esurge.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12*\n\x06\x65vents\x18\t \x03(\x0b\x32\x1a.esurge.v1.EngineCoreEvent\x12\x18\n\x10num_draft_tokens\x18\n \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x0b \x01(\rB\r\n\x0bstop_reason\"\x85\x01\n\x11\x45ngineCoreOutputs\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12,\n\x07outputs\x18\x02 \x03(\x0b\x32\x1b.esurge.v1.EngineCoreOutput\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x19\n\x11\x66inished_requests\x18\x04 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xac\x01\n\x13\x45ngineCoreEventType\x12&\n\"ENGINE_CORE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1d\x45NGINE_CORE_EVENT_TYPE_QUEUED\x10\x01\x12$\n ENGINE_CORE_EVENT_TYPE_SCHEDULED\x10\x02\x12$\n ENGINE_CORE_EVENT_TYPE_PREEMPTED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x65surge/v1/engine.proto\x12\tesurge.v1\x1a\x18\x65surge/v1/sampling.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa7\x02\n\rEngineRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x10prompt_token_ids\x18\x02 \x01(\x0b\x32\x13.esurge.v1.TokenIdsH\x00\x12\x15\n\x0bprompt_text\x18\x03 \x01(\tH\x00\x12$\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x14.esurge.v1.ChatInputH\x00\x12\x32\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x19.esurge.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x30\n\x0eoutput_options\x18\x07 \x01(\x0b\x32\x18.esurge.v1.OutputOptionsB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa5\x01\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.esurge.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x30\n\x0ftemplate_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"q\n\rOutputOptions\x12\x18\n\x0breturn_text\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1f\n\x17return_prompt_token_ids\x18\x02 \x01(\x08\x12\x15\n\rreturn_events\x18\x03 \x01(\x08\x42\x0e\n\x0c_return_text\"R\n\x0f\x45ngineCoreEvent\x12,\n\x04type\x18\x01 \x01(\x0e\x32\x1e.esurge.v1.EngineCoreEventType\x12\x11\n\ttimestamp\x18\x02 \x01(\x01\"B\n\rTokenLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\">\n\x10PositionLogprobs\x12*\n\x08logprobs\x18\x01 \x01(\x0b\x32\x18.esurge.v1.TokenLogprobs\"\x94\x03\n\x10\x45ngineCoreOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\r\x12.\n\x0cnew_logprobs\x18\x03 \x03(\x0b\x32\x18.esurge.v1.TokenLogprobs\x12\x38\n\x13new_prompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.esurge.v1.PositionLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.esurge.v1.FinishReason\x12\x17\n\rstop_token_id\x18\x06 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12*\n\x06\x65vents\x18\t \x03(\x0b\x32\x1a.esurge.v1.EngineCoreEvent\x12\x18\n\x10num_draft_tokens\x18\n \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x0b \x01(\rB\r\n\x0bstop_reason\"\x85\x01\n\x11\x45ngineCoreOutputs\x12\x14\n\x0c\x65ngine_index\x18\x01 \x01(\r\x12,\n\x07outputs\x18\x02 \x03(\x0b\x32\x1b.esurge.v1.EngineCoreOutput\x12\x11\n\ttimestamp\x18\x03 \x01(\x01\x12\x19\n\x11\x66inished_requests\x18\x04 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\xac\x01\n\x13\x45ngineCoreEventType\x12&\n\"ENGINE_CORE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1d\x45NGINE_CORE_EVENT_TYPE_QUEUED\x10\x01\x12$\n ENGINE_CORE_EVENT_TYPE_SCHEDULED\x10\x02\x12$\n ENGINE_CORE_EVENT_TYPE_PREEMPTED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'esurge.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1228
-  _globals['_FINISHREASON']._serialized_end=1348
-  _globals['_ENGINECOREEVENTTYPE']._serialized_start=1351
-  _globals['_ENGINECOREEVENTTYPE']._serialized_end=1523
-  _globals['_TOKENIDS']._serialized_start=63
-  _globals['_TOKENIDS']._serialized_end=92
-  _globals['_ENGINEREQUEST']._serialized_start=95
-  _globals['_ENGINEREQUEST']._serialized_end=352
-  _globals['_OUTPUTOPTIONS']._serialized_start=354
-  _globals['_OUTPUTOPTIONS']._serialized_end=467
-  _globals['_ENGINECOREEVENT']._serialized_start=469
-  _globals['_ENGINECOREEVENT']._serialized_end=551
-  _globals['_TOKENLOGPROBS']._serialized_start=553
-  _globals['_TOKENLOGPROBS']._serialized_end=619
-  _globals['_POSITIONLOGPROBS']._serialized_start=621
-  _globals['_POSITIONLOGPROBS']._serialized_end=683
-  _globals['_ENGINECOREOUTPUT']._serialized_start=686
-  _globals['_ENGINECOREOUTPUT']._serialized_end=1090
-  _globals['_ENGINECOREOUTPUTS']._serialized_start=1093
-  _globals['_ENGINECOREOUTPUTS']._serialized_end=1226
+  _globals['_FINISHREASON']._serialized_start=1510
+  _globals['_FINISHREASON']._serialized_end=1630
+  _globals['_ENGINECOREEVENTTYPE']._serialized_start=1633
+  _globals['_ENGINECOREEVENTTYPE']._serialized_end=1805
+  _globals['_TOKENIDS']._serialized_start=93
+  _globals['_TOKENIDS']._serialized_end=122
+  _globals['_ENGINEREQUEST']._serialized_start=125
+  _globals['_ENGINEREQUEST']._serialized_end=420
+  _globals['_CHATMESSAGE']._serialized_start=422
+  _globals['_CHATMESSAGE']._serialized_end=466
+  _globals['_CHATINPUT']._serialized_start=469
+  _globals['_CHATINPUT']._serialized_end=634
+  _globals['_OUTPUTOPTIONS']._serialized_start=636
+  _globals['_OUTPUTOPTIONS']._serialized_end=749
+  _globals['_ENGINECOREEVENT']._serialized_start=751
+  _globals['_ENGINECOREEVENT']._serialized_end=833
+  _globals['_TOKENLOGPROBS']._serialized_start=835
+  _globals['_TOKENLOGPROBS']._serialized_end=901
+  _globals['_POSITIONLOGPROBS']._serialized_start=903
+  _globals['_POSITIONLOGPROBS']._serialized_end=965
+  _globals['_ENGINECOREOUTPUT']._serialized_start=968
+  _globals['_ENGINECOREOUTPUT']._serialized_end=1372
+  _globals['_ENGINECOREOUTPUTS']._serialized_start=1375
+  _globals['_ENGINECOREOUTPUTS']._serialized_end=1508
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from generated.esurge.v1 import sampling_pb2 as _sampling_pb2
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -37,10 +38,11 @@ class TokenIds(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "sampling_params", "priority", "cache_salt", "output_options")
+    __slots__ = ("request_id", "prompt_token_ids", "prompt_text", "chat", "sampling_params", "priority", "cache_salt", "output_options")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
@@ -48,11 +50,30 @@ class EngineRequest(_message.Message):
     request_id: str
     prompt_token_ids: TokenIds
     prompt_text: str
+    chat: ChatInput
     sampling_params: _sampling_pb2.SamplingParams
     priority: int
     cache_salt: str
     output_options: OutputOptions
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., output_options: _Optional[_Union[OutputOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., prompt_text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling_params: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., output_options: _Optional[_Union[OutputOptions, _Mapping]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatInput(_message.Message):
+    __slots__ = ("messages", "add_generation_prompt", "template_kwargs")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    template_kwargs: _struct_pb2.Struct
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
     __slots__ = ("return_text", "return_prompt_token_ids", "return_events")

@@ -196,19 +196,21 @@ class SpecialTokenIds(_message.Message):
     def __init__(self, bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
 
 class SupportedOptions(_message.Message):
-    __slots__ = ("sampling_params", "max_logprobs", "has_tokenizer", "max_n")
+    __slots__ = ("sampling_params", "max_logprobs", "has_tokenizer", "max_n", "has_chat_template")
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     sampling_params: _containers.RepeatedScalarFieldContainer[str]
     max_logprobs: int
     has_tokenizer: bool
     max_n: int
-    def __init__(self, sampling_params: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., max_n: _Optional[int] = ...) -> None: ...
+    has_chat_template: bool
+    def __init__(self, sampling_params: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., max_n: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "model_type", "max_model_len", "vocab_size", "special_token_ids", "supported_options", "dtype")
+    __slots__ = ("model_name", "architecture", "model_type", "max_model_len", "vocab_size", "special_token_ids", "supported_options", "dtype", "checkpoint_format")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,7 @@ class GetModelInfoResponse(_message.Message):
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SUPPORTED_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     model_type: str
@@ -225,7 +228,8 @@ class GetModelInfoResponse(_message.Message):
     special_token_ids: SpecialTokenIds
     supported_options: SupportedOptions
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., special_token_ids: _Optional[_Union[SpecialTokenIds, _Mapping]] = ..., supported_options: _Optional[_Union[SupportedOptions, _Mapping]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    checkpoint_format: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., model_type: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., special_token_ids: _Optional[_Union[SpecialTokenIds, _Mapping]] = ..., supported_options: _Optional[_Union[SupportedOptions, _Mapping]] = ..., dtype: _Optional[str] = ..., checkpoint_format: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()

