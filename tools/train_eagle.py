@@ -5,8 +5,9 @@
 The shipped head (models/tiny-stdlib-eagle, ~22 min on 2 CPU cores) came from:
 
     .venv/bin/python tools/train_eagle.py --target models/tiny-stdlib \
-        --out models/tiny-stdlib-eagle --layout eagle3 --aux-layers 2,3,4 --draft-vocab 3072 --steps 400 --log-every 20 \
-        --distill-prompts 384 --distill-tokens 128 --eval-prompts 32 --eval-k 4
+        --out models/tiny-stdlib-eagle --layout eagle3 --aux-layers 2,3,4 --draft-vocab 3072 \
+        --steps 400 --log-every 20 --distill-prompts 384 --distill-tokens 128 \
+        --eval-prompts 32 --eval-k 4
 
 Data: windows of the given text files (default: the standard library files
 of the default model's training split, tools/lm_data.py), plus, with
