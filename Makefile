@@ -15,7 +15,7 @@ SERVE_FLAGS ?= --enable-chunked-prefill --max-num-seqs 16 --max-num-batched-toke
 	--max-model-len 2048 --async-scheduling
 PYTEST_ARGS ?=
 
-.PHONY: install test serve proto lint bench clean
+.PHONY: install sysdeps test serve proto lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,45 @@ $(RUNTIME_STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-test: install
+# System packages the end-to-end tests drive: nginx (gRPC proxy test) and
+# Node.js/npm (polyglot client test). A no-op when they are on the PATH; else
+# apt-get as root, or a message naming the Debian packages. /usr/sbin counts
+# even when a user's PATH lacks it, as the tests look there too (nginx lives there).
+sysdeps:
+	@export PATH="$$PATH:/usr/sbin:/sbin"; \
+	has() { command -v "$$1" >/dev/null 2>&1; }; \
+	missing() { \
+	  has nginx || echo "nginx (Debian package nginx-light, or nginx)"; \
+	  has node || echo "node (Debian package nodejs)"; \
+	  has npm || echo "npm (Debian package npm)"; \
+	}; \
+	todo=$$(missing); \
+	[ -n "$$todo" ] || exit 0; \
+	if [ "$$(id -u)" != 0 ] || ! has apt-get; then \
+	  echo "make sysdeps: the tests need tools that are not installed:" >&2; \
+	  echo "$$todo" | sed 's/^/  - /' >&2; \
+	  pkgs=$$(echo "$$todo" | sed 's/.*package \([^,)]*\).*/\1/' | tr '\n' ' ' | sed 's/ *$$//'); \
+	  echo "install them as root: sudo apt-get install --no-install-recommends $$pkgs" \
+	    "(or run 'sudo make sysdeps')" >&2; \
+	  exit 1; \
+	fi; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get update -qq || exit 1; \
+	if ! has nginx; then \
+	  apt-get install -y -qq --no-install-recommends nginx-light \
+	    || apt-get install -y -qq --no-install-recommends nginx; \
+	fi; \
+	if ! has node || ! has npm; then \
+	  apt-get install -y -qq --no-install-recommends nodejs npm; \
+	fi; \
+	todo=$$(missing); \
+	if [ -n "$$todo" ]; then \
+	  echo "make sysdeps: still missing after apt-get:" >&2; \
+	  echo "$$todo" | sed 's/^/  - /' >&2; \
+	  exit 1; \
+	fi
+
+test: sysdeps install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: $(RUNTIME_STAMP)

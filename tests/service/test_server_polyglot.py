@@ -41,9 +41,14 @@ def expected_tokens(live_server: Any) -> list[int]:
     return tokens
 
 
+# Debian puts nginx in /usr/sbin, which a normal user's PATH often lacks.
+_TOOL_PATH = os.pathsep.join([os.environ.get("PATH", os.defpath), "/usr/sbin", "/sbin"])
+
+
 def _tool(name: str) -> str:
-    path = shutil.which(name)
-    assert path is not None, f"{name} is not installed; the polyglot tests need it"
+    path = shutil.which(name, path=_TOOL_PATH)
+    assert path is not None, (f"{name} is not installed; the polyglot tests need it "
+                              f"(`make sysdeps` installs it)")
     return path
 
 
