@@ -19,6 +19,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -77,6 +78,12 @@ async def drain(queue: asyncio.Queue[tuple[str, T]]) -> list[tuple[str, T]]:
     return coalesce(items)
 
 
+def _retrieve(future: Future[None]) -> None:
+    """Mark a refusal nobody waits for as seen (no 'never retrieved' warning)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class EngineBridge:
     """Submits requests to one engine and routes their outputs to asyncio queues.
 
@@ -126,12 +133,16 @@ class EngineBridge:
             lambda item: self._from_engine(request_id, item))
         self.num_submitting += 1
         try:
-            await asyncio.wrap_future(future)
+            # Shielded: cancelling this call must never cancel the engine's own
+            # future (the loop thread resolves it); the abort below ends the
+            # request instead, queued after its submission.
+            await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             # The caller went away while the engine was accepting the request:
             # nobody will read it, so it must not run.
             self._sinks.pop(request_id, None)
             engine.abort(request_id)
+            future.add_done_callback(_retrieve)
             raise
         except BaseException:
             self._sinks.pop(request_id, None)

@@ -131,6 +131,12 @@ class EngineLoop:
                 self._add(command)
 
     def _add(self, cmd: _Submit) -> None:
+        # A caller that gave up before the loop got here (its future was
+        # cancelled) will read nothing: the request must not run. Once the
+        # future is running it can no longer be cancelled, so resolving it
+        # below cannot fail whatever the caller does meanwhile.
+        if not cmd.accepted.set_running_or_notify_cancel():
+            return
         if self.processor.has_request(cmd.request_id):
             cmd.accepted.set_exception(
                 ValueError(f"request_id {cmd.request_id!r} is already in flight"))
@@ -196,5 +202,5 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Submit):
+            if isinstance(command, _Submit) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)
