@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from esurge.engine.inputs import Prompt
 from esurge.engine.loop import EngineDeadError
 from esurge.engine.request_output import RequestOutput
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -122,7 +123,8 @@ class EngineBridge:
         engine is not running. Returns once the scheduler accepted it.
         """
         if request_id in self._sinks:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise InvalidRequestError(RequestField.REQUEST_ID,
+                                      f"request_id {request_id!r} is already in flight")
         engine = self.engine
         prepared = engine.inputs.prepare(request_id, prompt, params, priority, cache_salt)
         eos = engine.inputs.eos_token_id

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from esurge.engine.core import EngineCore
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestOutput, snapshot
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.sampling_params import SamplingParams
 
@@ -138,8 +139,8 @@ class EngineLoop:
         if not cmd.accepted.set_running_or_notify_cancel():
             return
         if self.processor.has_request(cmd.request_id):
-            cmd.accepted.set_exception(
-                ValueError(f"request_id {cmd.request_id!r} is already in flight"))
+            cmd.accepted.set_exception(InvalidRequestError(
+                RequestField.REQUEST_ID, f"request_id {cmd.request_id!r} is already in flight"))
             return
         child_ids = self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids,
                                                cmd.params)

@@ -176,3 +176,72 @@ def test_dead_engine_is_internal_and_not_serving(tiny_llama_dir: Path) -> None:
 
     health, code = asyncio.run(scenario())
     assert (health, code) == ("NOT_SERVING", grpc.StatusCode.INTERNAL)
+
+
+def long_prompt(length: int, **sampling: Any) -> engine_pb2.EngineRequest:
+    msg = request(**sampling)
+    msg.prompt_token_ids.token_ids[:] = [5 + i % 400 for i in range(length)]
+    return msg
+
+
+def text_prompt(text: str) -> engine_pb2.EngineRequest:
+    msg = engine_pb2.EngineRequest(prompt_text=text)
+    msg.sampling_params.max_tokens = 4
+    return msg
+
+
+# A prompt no max_tokens could make fit is the prompt's fault, not max_tokens'.
+OVERLONG_PROMPTS: list[tuple[str, Callable[[], engine_pb2.EngineRequest], str]] = [
+    ("600 ids, max_tokens unset", lambda: long_prompt(600), "request.prompt_token_ids"),
+    ("600 ids, max_tokens 4", lambda: long_prompt(600, max_tokens=4),
+     "request.prompt_token_ids"),
+    ("512 ids, unbounded", lambda: long_prompt(512, max_tokens_unbounded=True),
+     "request.prompt_token_ids"),
+    ("1 MB of text", lambda: text_prompt("x" * (1 << 20)), "request.prompt_text"),
+]
+
+
+def test_overlong_prompt_names_the_prompt(client: EngineClient) -> None:
+    for name, make, field in OVERLONG_PROMPTS:
+        code, fields, _ = refusal(functools.partial(client.generate_unary, make()))
+        assert (name, code, fields) == (name, grpc.StatusCode.INVALID_ARGUMENT, [field])
+
+
+BAD_IDS = ["caf\u00e9", "line\nbreak", "x" * 20_000, "tab\there"]
+
+
+def test_bad_request_id_is_invalid_argument(client: EngineClient) -> None:
+    for bad in BAD_IDS:
+        for call in (functools.partial(client.generate_unary, [5, 6], request_id=bad),
+                     lambda bad=bad: list(client.generate([5, 6], request_id=bad))):
+            code, fields, status = refusal(call)
+            assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                      ["request.request_id"]), bad[:20]
+    # From metadata the value is ASCII already; a long one is refused the same
+    # way, and the description names the metadata key.
+    code, fields, status = refusal(lambda: client.generate_unary(
+        [5, 6], metadata=[("x-request-id", "y" * 1000)]))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.request_id"])
+    assert "x-request-id" in field_violations(status)[0].description
+    ok = "Req-42_a.b:c/d"
+    assert client.generate_unary([5, 6], SamplingParams(max_tokens=2),
+                                 request_id=ok).request_id == ok
+
+
+def test_field_paths_do_not_depend_on_message_text(client: EngineClient,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from esurge.errors import FieldError
+
+    original = FieldError.__init__
+
+    def reworded(self: FieldError, field: str, message: str) -> None:
+        original(self, field, "reworded: " + message[::-1])
+
+    monkeypatch.setattr(FieldError, "__init__", reworded)
+    descriptions: list[str] = []
+    for name, make, field in BAD_REQUESTS + OVERLONG_PROMPTS:
+        code, fields, status = refusal(functools.partial(client.generate_unary, make()))
+        assert (name, code, fields) == (name, grpc.StatusCode.INVALID_ARGUMENT, [field])
+        descriptions.extend(v.description for v in field_violations(status))
+    # The engine's own refusals were reworded, and still named their fields.
+    assert sum(d.startswith("reworded: ") for d in descriptions) >= 12
