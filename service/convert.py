@@ -35,6 +35,7 @@ from service.errors import (
     join_field_path,
 )
 from service.field_paths import SAMPLING_FIELDS, sampling_field_name
+from service.wire import unknown_field_numbers
 
 __all__ = [
     "SAMPLING_FIELDS", "GenerationRequest", "config_from_proto", "config_to_proto",
@@ -85,6 +86,12 @@ def sampling_params_from_proto(
     max_tokens 16, ...); `max_tokens_unbounded` gives max_tokens None. A bad
     value raises InvalidFieldError naming `field_prefix.<field>`.
     """
+    unknown = unknown_field_numbers(msg)
+    if unknown:
+        # The API refuses what it cannot honour, a newer client's option included.
+        raise InvalidFieldError([FieldViolation(
+            field_prefix, f"SamplingParams has fields this server does not know: "
+                          f"numbers {unknown}")])
     kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _PLAIN_SAMPLING_FIELDS}
     kwargs.update((name, getattr(msg, name)) for name in _OPTIONAL_SAMPLING_FIELDS
                   if msg.HasField(name))

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 
 from esurge.sampling_params import SamplingParams
 from generated.esurge.v1 import engine_pb2, service_pb2
@@ -226,6 +227,77 @@ def test_bad_request_id_is_invalid_argument(client: EngineClient) -> None:
     ok = "Req-42_a.b:c/d"
     assert client.generate_unary([5, 6], SamplingParams(max_tokens=2),
                                  request_id=ok).request_id == ok
+
+
+def _raw_unary(client: EngineClient, method: str) -> Callable[[bytes], Any]:
+    return client.channel.unary_unary(f"/esurge.v1.EngineService/{method}",
+                                      request_serializer=None, response_deserializer=None)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _string_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field on the wire, whatever its payload."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def test_invalid_utf8_is_invalid_argument(client: EngineClient) -> None:
+    bad = b"\xff\xfe"
+    cases = [
+        # GenerateUnaryRequest.request (1) -> EngineRequest.prompt_text (3)
+        ("GenerateUnary", _string_field(1, _string_field(3, bad)), "request.prompt_text"),
+        # ... -> EngineRequest.request_id (1)
+        ("GenerateUnary", _string_field(1, _string_field(1, bad) + _string_field(3, b"hi")),
+         "request.request_id"),
+        # TokenizeRequest.text (1)
+        ("Tokenize", _string_field(1, bad), "text"),
+    ]
+    for method, payload, field in cases:
+        call = functools.partial(_raw_unary(client, method), payload, timeout=10)
+        code, fields, _ = refusal(call)
+        assert (method, code, fields) == (method, grpc.StatusCode.INVALID_ARGUMENT, [field])
+    # The streaming call refuses the same way.
+    stream = client.channel.unary_stream("/esurge.v1.EngineService/Generate",
+                                         request_serializer=None, response_deserializer=None)
+    code, fields, _ = refusal(lambda: list(stream(cases[0][1], timeout=10)))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.prompt_text"])
+
+
+def test_invalid_utf8_on_an_engine_stream_is_a_rejection(client: EngineClient) -> None:
+    good = service_pb2.EngineStreamRequest(add_request=build_request(
+        [5, 6], SamplingParams(max_tokens=2), request_id="good-after-bad")).SerializeToString()
+    bad = _string_field(1, _string_field(3, b"\xc3("))  # add_request.prompt_text
+    stream = client.channel.stream_stream(
+        "/esurge.v1.EngineService/EngineStream", request_serializer=None,
+        response_deserializer=service_pb2.EngineStreamResponse.FromString)
+    responses = list(stream(iter([bad, good]), timeout=30))
+    rejection = responses[0].rejection
+    assert rejection.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    status = status_pb2.Status(code=rejection.code, details=rejection.details)
+    assert [v.field for v in field_violations(status)] == ["add_request.prompt_text"]
+    finished = [o.request_id for r in responses[1:] for o in r.outputs.outputs
+                if o.finish_reason]
+    assert finished == ["good-after-bad"]
+
+
+def test_unknown_sampling_field_is_refused(client: EngineClient) -> None:
+    msg = build_request([5, 6, 7], SamplingParams(max_tokens=2))
+    # A second sampling_params (4) on the wire merges into the first: it adds
+    # varint field 127 = 1, which this server's SamplingParams does not have.
+    engine_request = msg.SerializeToString() + _string_field(4, _varint(127 << 3) + b"\x01")
+    parsed = engine_pb2.EngineRequest.FromString(engine_request)
+    assert parsed.sampling_params.max_tokens == 2
+    code, fields, status = refusal(lambda: _raw_unary(client, "GenerateUnary")(
+        _string_field(1, engine_request), timeout=10))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.sampling_params"])
+    assert "127" in field_violations(status)[0].description
 
 
 def test_field_paths_do_not_depend_on_message_text(client: EngineClient,
