@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
+from esurge.errors import InvalidConfigError
+
 __all__ = [
     "CacheConfig",
     "Config",
@@ -36,7 +38,7 @@ class SchedulingPolicy(StrEnum):
 
 def _require(ok: bool, field: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{field} must be {rule}, got {value!r}")
+        raise InvalidConfigError(field, f"{field} must be {rule}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -115,7 +117,8 @@ class SchedulerConfig:
         _require(isinstance(self.async_scheduling, bool),
                  "async_scheduling", self.async_scheduling, "a bool")
         if not self.chunked_prefill_enabled and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
+            raise InvalidConfigError(
+                "max_num_batched_tokens",
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
                 f"max_model_len ({self.max_model_len}) while chunked_prefill_enabled is False: "
                 "a prompt of max_model_len tokens could never be scheduled; raise "
@@ -153,7 +156,8 @@ class SpeculativeConfig:
             _require(isinstance(self.speculative_model, str) and self.speculative_model != "",
                      "speculative_model", self.speculative_model, "None or a non-empty path")
             if self.num_speculative_tokens == 0:
-                raise ValueError(
+                raise InvalidConfigError(
+                    "speculative_model",
                     f"speculative_model is set ({self.speculative_model!r}) but "
                     "num_speculative_tokens is 0: set num_speculative_tokens >= 1 "
                     "or drop speculative_model"

@@ -1,7 +1,7 @@
 """Per-request sampling and stopping options, named as in vLLM.
 
 Every option accepted here is honoured by the engine; values it cannot honour
-are refused with a `ValueError` naming the field. Greedy decoding is
+are refused with an `InvalidRequestError` (a ValueError) naming the field. Greedy decoding is
 `temperature == 0`.
 """
 
@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from esurge.errors import InvalidRequestError, RequestField
+
 __all__ = ["SamplingParams"]
 
 _MAX_LOGPROBS = 20
 
 
 def _fail(name: str, value: object, rule: str) -> None:
-    raise ValueError(f"{name} must be {rule}, got {value!r}")
+    raise InvalidRequestError(RequestField.sampling(name), f"{name} must be {rule}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -163,7 +165,7 @@ class SamplingParams:
         return not self.uses_token_state and self.logprobs is None
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Raise ValueError when a token id named here is outside the vocabulary."""
+        """InvalidRequestError when a token id named here is outside the vocabulary."""
         checks: list[tuple[str, tuple[int, ...]]] = [
             ("stop_token_ids", self.stop_token_ids),
             ("allowed_token_ids", self.allowed_token_ids or ()),

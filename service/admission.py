@@ -1,8 +1,7 @@
 """Deciding whether a request may enter the engine, and why not.
 
-Turns the engine's ValueErrors (its messages start with what is wrong:
-"prompt_token_ids [600] are outside ...", "top_p must be ...") into
-`google.rpc.BadRequest` violations on the proto field the client set, and
+Turns the engine's InvalidRequestErrors into `google.rpc.BadRequest`
+violations on the proto field the client set (`service.field_paths`), and
 refuses work with RESOURCE_EXHAUSTED when too many requests already wait.
 """
 
@@ -17,18 +16,18 @@ from google.rpc import status_pb2
 
 from esurge.engine.inputs import Prompt
 from esurge.engine.loop import EngineDeadError
-from esurge.errors import InvalidInputError
+from esurge.errors import InvalidRequestError
 from generated.esurge.v1 import engine_pb2
-from service.convert import SAMPLING_FIELDS, GenerationRequest, engine_request_from_proto
+from service.convert import GenerationRequest, engine_request_from_proto
 from service.errors import (
     FieldViolation,
     InvalidFieldError,
-    field_name_from_message,
     internal,
     invalid_argument,
     join_field_path,
     resource_exhausted,
 )
+from service.field_paths import engine_field_path
 from service.info import MAX_N
 
 if TYPE_CHECKING:
@@ -36,8 +35,10 @@ if TYPE_CHECKING:
     from service.bridge import EngineBridge, Sink
 
 __all__ = [
+    "MAX_REQUEST_ID_CHARS",
     "REQUEST_ID_METADATA",
     "AdmissionPolicy",
+    "check_request_id",
     "engine_error_violation",
     "metadata_request_id",
     "new_request_id",
@@ -48,17 +49,9 @@ __all__ = [
 # Metadata key a client (or a proxy) may set to choose the request id; the
 # server echoes the id in effect under the same key in the initial metadata.
 REQUEST_ID_METADATA = "x-request-id"
-
-# Message starts of the engine's own (non-sampling) refusals -> the field at fault.
-_PROMPT_FIELD = "prompt"
-_ENGINE_MESSAGE_FIELDS: tuple[tuple[str, str], ...] = (
-    ("prompt_token_ids", _PROMPT_FIELD),
-    ("prompt must not be empty", _PROMPT_FIELD),
-    ("prompt is text", _PROMPT_FIELD),
-    ("prompt (", "sampling_params.max_tokens"),
-    ("request_id", "request_id"),
-)
-
+# The id is echoed in a header, so it must be a short, valid header value:
+# printable ASCII without spaces.
+MAX_REQUEST_ID_CHARS = 256
 
 def new_request_id() -> str:
     """A server-assigned request id."""
@@ -79,50 +72,18 @@ def _prompt_field(request: GenerationRequest) -> str:
     return "prompt_text" if request.prompt_text is not None else "prompt_token_ids"
 
 
-# Library field names of chat input errors -> the proto field under the request.
-_CHAT_FIELDS = {"chat": "chat", "messages": "chat.messages", "messages.role": "chat.messages",
-                "messages.content": "chat.messages", "template_kwargs": "chat.template_kwargs",
-                "add_generation_prompt": "chat.add_generation_prompt"}
-
-
-def _engine_refusal_field(message: str, request: GenerationRequest) -> str | None:
-    if message.startswith("request id ") and "already in use" in message:
-        return "request_id"
-    if message.startswith("request ") and "max_model_len" in message:
-        # The scheduler's fit check: with a cap, the cap is what to lower.
-        if request.sampling_params.max_tokens is None:
-            return _prompt_field(request)
-        return "sampling_params.max_tokens"
-    if message.startswith("request ") and "pages" in message:
-        return "sampling_params.max_tokens"
-    for start, field in _ENGINE_MESSAGE_FIELDS:
-        if message.startswith(start):
-            if field != _PROMPT_FIELD:
-                return field
-            # Without a tokenizer, a text prompt and bad_words are what fails.
-            if start == "prompt is text" and request.prompt_text is None:
-                return "sampling_params.bad_words"
-            return _prompt_field(request)
-    return None
-
-
 def engine_error_violation(error: ValueError, request: GenerationRequest,
                            field_prefix: str) -> FieldViolation:
     """The violation behind an engine refusal, on the proto field the client set.
 
     `field_prefix` is the path of the EngineRequest inside the RPC message
-    ("request" for Generate). A message naming no known field is reported on
+    ("request" for Generate). An error that names no field is reported on
     the request as a whole.
     """
     message = str(error) or type(error).__name__
-    if isinstance(error, InvalidInputError) and error.field in _CHAT_FIELDS:
-        return FieldViolation(join_field_path(field_prefix, _CHAT_FIELDS[error.field]), message)
-    field = _engine_refusal_field(message, request)
-    if field is None:
-        name = field_name_from_message(message, SAMPLING_FIELDS)
-        if name is not None:
-            field = f"sampling_params.{name}"
-    return FieldViolation(join_field_path(field_prefix, field or ""), message)
+    field = (engine_field_path(error, _prompt_field(request))
+             if isinstance(error, InvalidRequestError) else "")
+    return FieldViolation(join_field_path(field_prefix, field), message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +118,24 @@ class AdmissionPolicy:
             f"retry later", self.retry_after_s)
 
 
+def check_request_id(request_id: str, field: str, source: str = "request_id") -> None:
+    """InvalidFieldError on `field` unless the id can be echoed in a header.
+
+    `source` names where the id came from in the description (the metadata
+    key when a client set it as metadata).
+    """
+    problem = None
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        problem = f"is {len(request_id)} characters long, more than {MAX_REQUEST_ID_CHARS}"
+    elif not all("!" <= c <= "~" for c in request_id):
+        problem = "must be printable ASCII without spaces"
+    if problem is not None:
+        raise InvalidFieldError([FieldViolation(field, f"{source} {problem}")])
+
+
 def parse_request(msg: engine_pb2.EngineRequest, prefix: str) -> GenerationRequest:
     """Validate a proto EngineRequest; InvalidFieldError names each bad field."""
+    check_request_id(msg.request_id, join_field_path(prefix, "request_id"))
     request = engine_request_from_proto(msg, field_prefix=prefix)
     n = request.sampling_params.n
     if n > MAX_N:

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from esurge.engine.inputs import Prompt
 from esurge.engine.loop import EngineDeadError
 from esurge.engine.request_output import RequestOutput
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,6 +80,12 @@ async def drain(queue: asyncio.Queue[tuple[str, T]]) -> list[tuple[str, T]]:
     return coalesce(items)
 
 
+def _retrieve(future: Future[None]) -> None:
+    """Mark a refusal nobody waits for as seen (no 'never retrieved' warning)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class EngineBridge:
     """Submits requests to one engine and routes their outputs to asyncio queues.
 
@@ -95,6 +104,9 @@ class EngineBridge:
         self._arrived: collections.deque[tuple[str, RequestOutput | EngineDeadError]] = (
             collections.deque())
         self._wakeup_posted = False
+        # Few workers: tokenizing is CPU work, bounded per request by the
+        # engine's text length limit; more threads would only contend.
+        self._tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="esurge-tokenize")
         self.num_submitting = 0
 
     def is_live(self, request_id: str) -> bool:
@@ -110,34 +122,59 @@ class EngineBridge:
                      sink: Sink, *, priority: int = 0, cache_salt: str | None = None) -> None:
         """Validate and queue a request; its outputs will arrive on `sink`.
 
-        Raises the engine's ValueError (naming the bad field) for bad input or
-        a request id that is already in flight, and EngineDeadError when the
-        engine is not running. Returns once the scheduler accepted it.
+        Raises the engine's InvalidRequestError (naming the bad field) for bad
+        input or a request id that is already in flight, and EngineDeadError
+        when the engine is not running. Returns once the scheduler accepted it.
+        A text prompt or bad_words are tokenized on a worker thread, never on
+        the event loop.
         """
         if request_id in self._sinks:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
-        engine = self.engine
-        prepared = engine.inputs.prepare(request_id, prompt, params, priority, cache_salt)
-        eos = engine.inputs.eos_token_id
+            raise InvalidRequestError(RequestField.REQUEST_ID,
+                                      f"request_id {request_id!r} is already in flight")
+        submit = functools.partial(self._submit_now, request_id, prompt, params, priority,
+                                   cache_salt)
         self._sinks[request_id] = sink
-        future = engine.loop.submit(
-            request_id, prepared.prompt, prepared.prompt_token_ids, prepared.params,
-            lambda ids: prepared.engine_requests(ids, eos),
-            lambda item: self._from_engine(request_id, item))
         self.num_submitting += 1
+        queued: asyncio.Future[Future[None]] | None = None
         try:
-            await asyncio.wrap_future(future)
+            if isinstance(prompt, str) or params.bad_words:
+                queued = self._loop.run_in_executor(self._tokenizing, submit)
+                accepted = await asyncio.shield(queued)
+            else:
+                accepted = submit()
+            # Shielded: cancelling this call must never cancel the engine's own
+            # future (the loop thread resolves it); the abort below ends the
+            # request instead, queued after its submission.
+            await asyncio.shield(asyncio.wrap_future(accepted))
         except asyncio.CancelledError:
             # The caller went away while the engine was accepting the request:
             # nobody will read it, so it must not run.
             self._sinks.pop(request_id, None)
-            engine.abort(request_id)
+            if queued is not None:  # runs at once if the tokenizing already ended
+                queued.add_done_callback(lambda q: self._abandon(request_id, q))
+            else:
+                self.engine.abort(request_id)
+                accepted.add_done_callback(_retrieve)
             raise
         except BaseException:
             self._sinks.pop(request_id, None)
             raise
         finally:
             self.num_submitting -= 1
+
+    def _submit_now(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                    priority: int, cache_salt: str | None) -> Future[None]:
+        _, accepted = self.engine.submit_nowait(
+            prompt, params, lambda item: self._from_engine(request_id, item),
+            request_id=request_id, priority=priority, cache_salt=cache_salt)
+        return accepted
+
+    def _abandon(self, request_id: str, queued: asyncio.Future[Future[None]]) -> None:
+        """A cancelled submission's tokenizing ended: abort it if it reached the engine."""
+        if queued.cancelled() or queued.exception() is not None:
+            return
+        self.engine.abort(request_id)
+        queued.result().add_done_callback(_retrieve)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request; its pages are freed by the engine at once.

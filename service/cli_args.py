@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.errors import InvalidConfigError
 from esurge.packaged import DEFAULT_MODEL, PACKAGED_MODELS
-from service.errors import field_name_from_message
 
 __all__ = [
     "CHUNKED_BATCH_TOKENS",
@@ -289,12 +289,8 @@ def build_config(args: argparse.Namespace, model_max_len: int | None) -> Config 
             ),
             speculative_config=_speculative_config(args),
         )
-    except FlagError:
-        raise
-    except ValueError as err:
-        field = field_name_from_message(str(err), CONFIG_FIELD_FLAGS)
-        flag = CONFIG_FIELD_FLAGS[field] if field is not None else None
-        raise FlagError(flag, str(err)) from err
+    except InvalidConfigError as err:
+        raise FlagError(CONFIG_FIELD_FLAGS.get(err.field), str(err)) from err
 
 
 def config_or_exit(

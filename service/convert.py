@@ -14,7 +14,7 @@ Logprobs travel as 32-bit floats, so they come back rounded to float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
@@ -27,6 +27,7 @@ from esurge.engine_types import (
     EngineCoreOutputs,
     FinishReason,
 )
+from esurge.errors import InvalidRequestError
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
 from generated.esurge.v1 import engine_pb2, sampling_pb2
@@ -35,8 +36,9 @@ from service.errors import (
     FieldViolation,
     InvalidFieldError,
     join_field_path,
-    violation_from_value_error,
 )
+from service.field_paths import SAMPLING_FIELDS, sampling_field_name
+from service.wire import unknown_field_numbers
 
 __all__ = [
     "SAMPLING_FIELDS", "GenerationRequest", "config_from_proto", "config_to_proto",
@@ -47,11 +49,6 @@ __all__ = [
     "sampling_params_from_proto", "sampling_params_to_proto", "set_stop_reason",
     "stop_reason_from_proto", "token_logprobs_from_proto", "token_logprobs_to_proto",
 ]
-
-# Engine SamplingParams fields a client sets; the proto fields carry the same names.
-SAMPLING_FIELDS: frozenset[str] = frozenset(
-    f.name for f in fields(SamplingParams) if f.name != "bad_words_token_ids"
-)
 
 # Optional proto fields passed to SamplingParams only when present, so that an
 # unset field takes the engine's own default (one source of truth).
@@ -92,6 +89,12 @@ def sampling_params_from_proto(
     max_tokens 16, ...); `max_tokens_unbounded` gives max_tokens None. A bad
     value raises InvalidFieldError naming `field_prefix.<field>`.
     """
+    unknown = unknown_field_numbers(msg)
+    if unknown:
+        # The API refuses what it cannot honour, a newer client's option included.
+        raise InvalidFieldError([FieldViolation(
+            field_prefix, f"SamplingParams has fields this server does not know: "
+                          f"numbers {unknown}")])
     kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _PLAIN_SAMPLING_FIELDS}
     kwargs.update((name, getattr(msg, name)) for name in _OPTIONAL_SAMPLING_FIELDS
                   if msg.HasField(name))
@@ -110,10 +113,10 @@ def sampling_params_from_proto(
         kwargs["max_tokens"] = None
     try:
         return SamplingParams(**kwargs)
-    except ValueError as err:
-        violation = violation_from_value_error(err, parent=field_prefix,
-                                               known_fields=SAMPLING_FIELDS)
-        raise InvalidFieldError([violation]) from err
+    except InvalidRequestError as err:
+        name = sampling_field_name(err)
+        field = join_field_path(field_prefix, name) if name is not None else field_prefix
+        raise InvalidFieldError([FieldViolation(field, str(err))]) from err
 
 
 def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:

@@ -29,6 +29,7 @@ from service.errors import (
     rejection_from_status,
 )
 from service.responses import RequestCursor
+from service.wire import Undecodable, undecodable_status
 
 if TYPE_CHECKING:
     from google.rpc import status_pb2
@@ -139,6 +140,9 @@ class EngineStreamSession:
     async def _read(self, requests: AsyncIterator[service_pb2.EngineStreamRequest]) -> None:
         try:
             async for message in requests:
+                if isinstance(message, Undecodable):
+                    self._reject("", undecodable_status(message))
+                    continue
                 action = message.WhichOneof("action")
                 if action == "add_request":
                     task = asyncio.get_running_loop().create_task(

@@ -13,16 +13,14 @@ From a `grpc.aio` servicer: `await abort_with_status(context, invalid_argument(.
 On an EngineStream, where one bad request must not end the stream, the same
 status goes into a `RequestRejection` via `rejection_from_status`.
 
-The engine's ValueErrors start with the name of the bad field ("top_p must be
-in (0, 1], got 1.5"); `field_name_from_message` recovers it so the violation
-can name the proto field.
+The engine's errors carry their field (`esurge.errors.InvalidRequestError`);
+`service.field_paths` maps it to the proto field path.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -37,7 +35,6 @@ __all__ = [
     "FieldViolation",
     "InvalidFieldError",
     "abort_with_status",
-    "field_name_from_message",
     "field_violations",
     "internal",
     "invalid_argument",
@@ -48,16 +45,10 @@ __all__ = [
     "status_from_rpc_error",
     "to_grpc_status",
     "unavailable",
-    "violation_from_value_error",
 ]
 
 # `google.rpc.ErrorInfo.domain` of every error this server raises.
 ERROR_DOMAIN = "esurge.v1"
-
-# A leading identifier, optionally indexed (`logit_bias[5]`), ended by a space,
-# a parenthesis or the end of the message.
-_LEADING_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(\[[^\]\s]*\])?(?=[\s(:]|$)")
-
 
 @dataclass(frozen=True, slots=True)
 class FieldViolation:
@@ -88,35 +79,6 @@ class InvalidFieldError(ValueError):
 def join_field_path(prefix: str, name: str) -> str:
     """`prefix.name`, or just the non-empty one of the two."""
     return f"{prefix}.{name}" if prefix and name else prefix or name
-
-
-def field_name_from_message(message: str, known_fields: Collection[str]) -> str | None:
-    """The field a ValueError message names at its start, if it is a known one.
-
-    "logit_bias[7] must be a number in [-100, 100], got 300" gives
-    "logit_bias[7]"; a message that does not start with one of
-    `known_fields` gives None.
-    """
-    match = _LEADING_FIELD.match(message)
-    if match is None or match.group(1) not in known_fields:
-        return None
-    return match.group(1) + (match.group(2) or "")
-
-
-def violation_from_value_error(
-    error: ValueError, *, parent: str, known_fields: Collection[str]
-) -> FieldViolation:
-    """Map an engine ValueError to a violation of the proto field it names.
-
-    `parent` is the path of the proto message whose fields `known_fields`
-    lists, e.g. "request.sampling_params". When the message names no known
-    field the violation is reported on `parent` itself, so the client still
-    learns which part of its request is wrong.
-    """
-    message = str(error) or type(error).__name__
-    name = field_name_from_message(message, known_fields)
-    field = join_field_path(parent, name) if name is not None else parent
-    return FieldViolation(field=field, description=message)
 
 
 def _status(code: int, message: str, *details: Any) -> status_pb2.Status:

@@ -19,10 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from generated.esurge.v1 import service_pb2, service_pb2_grpc
+from generated.esurge.v1 import service_pb2
 from service.admission import AdmissionPolicy
 from service.health import Phase, ServingState
 from service.servicer import EngineServicer
+from service.wire import engine_service_handler
 
 if TYPE_CHECKING:
     from esurge.engine.api import eSurge
@@ -113,7 +114,7 @@ class EngineServer:
         self.servicer = EngineServicer(
             self.state, AdmissionPolicy(max_queued_requests=self.options.max_queued_requests))
         self.server = grpc.aio.server(options=self.options.channel_options())
-        service_pb2_grpc.add_EngineServiceServicer_to_server(self.servicer, self.server)
+        self.server.add_generic_rpc_handlers((engine_service_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.server)
         reflection.enable_server_reflection(
             (ENGINE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

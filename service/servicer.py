@@ -24,6 +24,7 @@ from service import info
 from service.admission import (
     REQUEST_ID_METADATA,
     AdmissionPolicy,
+    check_request_id,
     metadata_request_id,
     new_request_id,
     parse_request,
@@ -126,10 +127,14 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
         """Validate, name, admit and submit a Generate / GenerateUnary request."""
         try:
             request = parse_request(msg, "request")
+            request_id = request.request_id or metadata_request_id(
+                context.invocation_metadata())
+            if request_id is not None and request.request_id is None:
+                check_request_id(request_id, "request.request_id",
+                                 f"{REQUEST_ID_METADATA} metadata")
         except InvalidFieldError as err:
             await abort_with_status(context, invalid_argument(err.violations))
-        request_id = (request.request_id or metadata_request_id(context.invocation_metadata())
-                      or new_request_id())
+        request_id = request_id or new_request_id()
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
         overload = self.policy.refusal(bridge.engine, bridge)
         if overload is not None:

@@ -13,9 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from esurge.errors import InvalidInputError
+from esurge.errors import InvalidRequestError, RequestField
 
 __all__ = ["ChatMessage", "ChatPrompt", "ChatTemplate"]
+
+_MESSAGES = RequestField.CHAT_MESSAGES
+_GEN_PROMPT = RequestField.CHAT_ADD_GENERATION_PROMPT
+_KWARGS = RequestField.CHAT_TEMPLATE_KWARGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +31,10 @@ class ChatMessage:
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, str) or not self.role:
-            raise InvalidInputError("messages.role", f"role must be a non-empty string, "
+            raise InvalidRequestError(_MESSAGES, f"role must be a non-empty string, "
                                                      f"got {self.role!r}")
         if not isinstance(self.content, str):
-            raise InvalidInputError("messages.content", f"content must be a string, "
+            raise InvalidRequestError(_MESSAGES, f"content must be a string, "
                                                         f"got {self.content!r}")
 
 
@@ -38,7 +42,7 @@ def _as_message(item: ChatMessage | Mapping[str, Any]) -> ChatMessage:
     if isinstance(item, ChatMessage):
         return item
     if not isinstance(item, Mapping) or set(item) - {"role", "content"}:
-        raise InvalidInputError("messages", f"a message must be a ChatMessage or a mapping "
+        raise InvalidRequestError(_MESSAGES, f"a message must be a ChatMessage or a mapping "
                                             f"with 'role' and 'content', got {item!r}")
     return ChatMessage(item.get("role", ""), item.get("content", ""))
 
@@ -58,18 +62,18 @@ class ChatPrompt:
 
     def __post_init__(self) -> None:
         if isinstance(self.messages, str | bytes) or not isinstance(self.messages, Sequence):
-            raise InvalidInputError("messages", f"messages must be a sequence of messages, "
+            raise InvalidRequestError(_MESSAGES, f"messages must be a sequence of messages, "
                                                 f"got {self.messages!r}")
         messages = tuple(_as_message(m) for m in self.messages)
         if not messages:
-            raise InvalidInputError("messages", "messages must not be empty")
+            raise InvalidRequestError(_MESSAGES, "messages must not be empty")
         object.__setattr__(self, "messages", messages)
         if not isinstance(self.add_generation_prompt, bool):
-            raise InvalidInputError("add_generation_prompt", f"add_generation_prompt must be a "
+            raise InvalidRequestError(_GEN_PROMPT, f"add_generation_prompt must be a "
                                     f"bool, got {self.add_generation_prompt!r}")
         if not isinstance(self.template_kwargs, Mapping) or not all(
                 isinstance(k, str) for k in self.template_kwargs):
-            raise InvalidInputError("template_kwargs", f"template_kwargs must map names to "
+            raise InvalidRequestError(_KWARGS, f"template_kwargs must map names to "
                                     f"values, got {self.template_kwargs!r}")
 
     @classmethod
@@ -109,8 +113,8 @@ class ChatTemplate:
                 messages, tokenize=False, add_generation_prompt=prompt.add_generation_prompt,
                 **dict(prompt.template_kwargs))
         except TemplateError as err:
-            raise InvalidInputError("messages", f"the chat template refused the messages: "
+            raise InvalidRequestError(_MESSAGES, f"the chat template refused the messages: "
                                                 f"{err}") from err
         if not isinstance(text, str):
-            raise InvalidInputError("messages", "the chat template did not render text")
+            raise InvalidRequestError(_MESSAGES, "the chat template did not render text")
         return text

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from esurge.engine.chat import ChatPrompt, ChatTemplate
-from esurge.errors import InvalidInputError
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest
 from esurge.sampling_params import SamplingParams
 
@@ -47,8 +47,19 @@ class PreparedRequest:
         return out
 
 
+def _longest_token_chars(tokenizer: Tokenizer) -> int:
+    """Characters in the vocabulary's longest token, added tokens included."""
+    return max((len(token) for token in tokenizer.get_vocab(with_added_tokens=True)),
+               default=1)
+
+
 class InputProcessor:
-    """Tokenizes, validates against the model, and resolves model defaults."""
+    """Tokenizes, validates against the model, and resolves model defaults.
+
+    A text longer than max_model_len times the longest token (in characters)
+    cannot fit whatever it tokenizes to, so it is refused before tokenizing:
+    that bounds the tokenizer's time per request.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
                  eos_token_ids: tuple[int, ...], max_model_len: int,
@@ -59,20 +70,30 @@ class InputProcessor:
         self.eos_token_id = eos_token_ids[0] if eos_token_ids else None
         self._extra_eos = tuple(eos_token_ids[1:])
         self.max_model_len = max_model_len
+        self.max_text_chars = (max_model_len * _longest_token_chars(tokenizer)
+                               if tokenizer is not None else 0)
 
-    def tokenize(self, text: str) -> list[int]:
-        """Token ids of text; ValueError when the model has no tokenizer."""
+    def tokenize(self, text: str, field: str = RequestField.PROMPT) -> list[int]:
+        """Token ids of text; InvalidRequestError (on `field`) when the model has
+        no tokenizer or the text is too long to fit max_model_len."""
         if self.tokenizer is None:
-            raise ValueError("prompt is text but this model directory has no tokenizer.json; "
-                             "pass prompt token ids instead")
+            raise InvalidRequestError(
+                field, "prompt is text but this model directory has no tokenizer.json; "
+                       "pass prompt token ids instead")
+        if len(text) > self.max_text_chars:
+            raise InvalidRequestError(
+                field, f"text of {len(text)} characters is more than max_model_len "
+                       f"({self.max_model_len}) tokens of this tokenizer can hold "
+                       f"({self.max_text_chars} characters)")
         return list(self.tokenizer.encode(text).ids)
 
     def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams | None,
                 priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
-        """Validate one request; every problem is a ValueError naming the field."""
+        """Validate one request; every problem is an InvalidRequestError naming the field."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {params!r}")
+            raise InvalidRequestError(RequestField.SAMPLING_PARAMS,
+                                      f"sampling_params must be a SamplingParams, got {params!r}")
         text: str | None
         if isinstance(prompt, ChatPrompt):
             text, ids = self._render_chat(prompt)
@@ -82,28 +103,20 @@ class InputProcessor:
             ids = self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        total = len(ids) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds max_model_len ({self.max_model_len})")
+        self._check_prompt(ids, params)
         params = self._resolve(params)
         params.validate_for_vocab(self.vocab_size)
         if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+            raise InvalidRequestError(RequestField.PRIORITY,
+                                      f"priority must be an int, got {priority!r}")
         return PreparedRequest(request_id, text, ids, params, priority, cache_salt or None,
                                time.time())
 
     def _render_chat(self, prompt: ChatPrompt) -> tuple[str, list[int]]:
         if self.chat_template is None or self.tokenizer is None:
             # The whole chat input is at fault, not one of its messages.
-            raise InvalidInputError("chat", "this model has no chat template; send a text "
-                                            "or token-id prompt instead")
+            raise InvalidRequestError(RequestField.CHAT, "this model has no chat template; send "
+                                                         "a text or token-id prompt instead")
         text = self.chat_template.render(prompt)
         # The template writes its special tokens itself.
         return text, list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -118,13 +131,34 @@ class InputProcessor:
             return params
         return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
 
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError(RequestField.PROMPT, "prompt must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                RequestField.PROMPT, f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                                     f"[0, {self.vocab_size})")
+        # At least one token is generated: a prompt of max_model_len tokens or
+        # more cannot fit whatever max_tokens is, so the prompt is at fault.
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                RequestField.PROMPT, f"prompt of {len(ids)} tokens leaves no room to generate "
+                                     f"within max_model_len ({self.max_model_len})")
+        total = len(ids) + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                RequestField.sampling("max_tokens"),
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds max_model_len ({self.max_model_len})")
+
     def _resolve(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, object] = {}
         if params.bad_words and not params.bad_words_token_ids:
             words: list[tuple[int, ...]] = []
             for word in params.bad_words:
                 for variant in (word, " " + word):
-                    ids = tuple(self.tokenize(variant))
+                    ids = tuple(self.tokenize(variant, RequestField.sampling("bad_words")))
                     if ids and ids not in words:
                         words.append(ids)
             changes["bad_words_token_ids"] = tuple(words)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from esurge.engine.core import EngineCore
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestOutput, snapshot
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.sampling_params import SamplingParams
 
@@ -131,9 +132,15 @@ class EngineLoop:
                 self._add(command)
 
     def _add(self, cmd: _Submit) -> None:
+        # A caller that gave up before the loop got here (its future was
+        # cancelled) will read nothing: the request must not run. Once the
+        # future is running it can no longer be cancelled, so resolving it
+        # below cannot fail whatever the caller does meanwhile.
+        if not cmd.accepted.set_running_or_notify_cancel():
+            return
         if self.processor.has_request(cmd.request_id):
-            cmd.accepted.set_exception(
-                ValueError(f"request_id {cmd.request_id!r} is already in flight"))
+            cmd.accepted.set_exception(InvalidRequestError(
+                RequestField.REQUEST_ID, f"request_id {cmd.request_id!r} is already in flight"))
             return
         child_ids = self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids,
                                                cmd.params)
@@ -196,5 +203,5 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Submit):
+            if isinstance(command, _Submit) and command.accepted.set_running_or_notify_cancel():
                 command.accepted.set_exception(error)

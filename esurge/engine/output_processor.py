@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from esurge.engine.detokenizer import IncrementalDetokenizer
 from esurge.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from esurge.engine_types import EngineCoreEventType, EngineCoreOutput
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.sampling_params import SamplingParams
 
 __all__ = ["OutputProcessor", "ProcessedOutputs", "child_request_ids"]
@@ -61,7 +62,8 @@ class OutputProcessor:
                     params: SamplingParams, arrival_time: float | None = None) -> list[str]:
         """Track a request; returns the engine request ids of its samples."""
         if request_id in self._parents:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise InvalidRequestError(RequestField.REQUEST_ID,
+                                      f"request_id {request_id!r} is already in flight")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         parent = _Parent(RequestOutput(request_id, prompt, list(prompt_token_ids), outputs=[]))
         self._parents[request_id] = parent

@@ -58,6 +58,9 @@ class _Pending:
     prompt_logprobs: dict[str, list[TokenLogprobs | None]]
     tokens: np.ndarray | None = None  # host copy once collected
     spec: SpecStep | None = None
+    # Logprobs wanted per scheduled request, read at dispatch: by collect the
+    # next step's batch update may have compacted the rows (async scheduling).
+    num_logprobs: np.ndarray | None = None
 
 
 def _available_host_bytes() -> int:
@@ -183,7 +186,8 @@ class eSurgeRunner:
             sampled, self._prev_tokens = sample_step(logits, tensors(), variant, self.max_rows)
         self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
         plp = self._prompt_logprobs.compute(ib, inputs, hidden)
-        return _Pending(inputs, sampled, plp)
+        wanted = ib.sampling.num_logprobs[inputs.rows].copy() if variant.logprobs else None
+        return _Pending(inputs, sampled, plp, num_logprobs=wanted)
 
     def _update_batch(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
@@ -224,7 +228,7 @@ class eSurgeRunner:
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
             sampled_token_ids=sampled_ids,
-            logprobs=self._logprobs(inputs, sampled),
+            logprobs=self._logprobs(inputs, sampled, pending.num_logprobs),
             prompt_logprobs=pending.prompt_logprobs,
         )
 
@@ -244,16 +248,17 @@ class eSurgeRunner:
             prompt_logprobs=prompt_logprobs,
         )
 
-    def _logprobs(self, inputs: StepInputs,
-                  sampled: SamplerOutput) -> list[list[TokenLogprobs] | None] | None:
-        if sampled.logprobs is None or sampled.logprob_token_ids is None or sampled.ranks is None:
+    @staticmethod
+    def _logprobs(inputs: StepInputs, sampled: SamplerOutput, wanted: np.ndarray | None
+                  ) -> list[list[TokenLogprobs] | None] | None:
+        if (wanted is None or sampled.logprobs is None or sampled.logprob_token_ids is None
+                or sampled.ranks is None):
             return None
         ids, lps = np.asarray(sampled.logprob_token_ids), np.asarray(sampled.logprobs)
         ranks = np.asarray(sampled.ranks)
-        wanted = self.input_batch.sampling.num_logprobs
         out: list[list[TokenLogprobs] | None] = []
         for i in range(len(inputs.req_ids)):
-            n = int(wanted[inputs.rows[i]])
+            n = int(wanted[i])
             if n < 0 or not inputs.samples[i]:
                 out.append(None)
                 continue

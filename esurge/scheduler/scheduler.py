@@ -36,6 +36,7 @@ from esurge.config import Config, SchedulingPolicy
 from esurge.core.kv_cache_manager import KVCacheManager
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
 from esurge.engine_types import EngineCoreEventType, EngineCoreOutputs
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.outputs import ModelRunnerOutput
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.scheduler.admission import check_fits
@@ -155,7 +156,8 @@ class Scheduler(SchedulerInterface):
         """Queue a new request; ValueError for a duplicate live id or one that can never fit."""
         rid = request.request_id
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use by a live request")
+            raise InvalidRequestError(RequestField.REQUEST_ID,
+                                      f"request id {rid!r} is already in use by a live request")
         if request.status is not EngineRequestStatus.WAITING or request.num_computed_tokens:
             raise ValueError(f"request {rid!r} must be new (status WAITING, nothing computed), "
                              f"got status {request.status.name}")

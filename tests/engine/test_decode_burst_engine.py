@@ -157,3 +157,18 @@ def test_decode_steps_is_validated(tiny_llama_dir: Path, bad: object) -> None:
     with pytest.raises(ValueError, match="decode_steps"):
         eSurge(tiny_llama_dir, engine_config(), show_progress=False, warmup=False,
                decode_steps=bad)  # type: ignore[arg-type]
+
+
+def test_async_logprobs_keep_one_entry_per_token(burst_engine: eSurge) -> None:
+    # burst_engine schedules asynchronously; logprobs keep these steps plain.
+    # Short requests in the lower rows finish while the long one, above them,
+    # still runs: the batch is compacted while its step is in flight.
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    outs = burst_engine.generate([[5, 6, 7], [8, 9], [10, 11, 12, 13]], [short, short, long])
+    sample = outs[2].outputs[0]
+    assert len(sample.token_ids) == 10
+    assert len(sample.logprobs) == 10
+    assert [entry.token_ids[0] for entry in sample.logprobs] == sample.token_ids
+    alone = burst_engine.generate([[10, 11, 12, 13]], long)[0].outputs[0]
+    assert [e.token_ids for e in alone.logprobs] == [e.token_ids for e in sample.logprobs]

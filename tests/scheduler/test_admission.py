@@ -8,6 +8,7 @@ import pytest
 
 from esurge.core import SlidingWindowSpec
 from esurge.engine_types import EngineCoreEventType
+from esurge.errors import InvalidRequestError
 from esurge.request import EngineRequestStatus
 from esurge.scheduler import Scheduler, SchedulerInterface
 from tests.scheduler.fakes import make_config, make_request, make_scheduler, run
@@ -15,24 +16,35 @@ from tests.scheduler.fakes import make_config, make_request, make_scheduler, run
 
 def test_prompt_plus_max_tokens_beyond_max_model_len_is_rejected() -> None:
     s = make_scheduler(max_model_len=32, max_num_batched_tokens=32)
-    with pytest.raises(ValueError, match=r"'big'.*\(20\).*\(13\) = 33.*max_model_len=32"):
+    with pytest.raises(InvalidRequestError, match=r"'big'.*\(20\).*\(13\) = 33.*max_model_len=32"
+                       ) as info:
         s.add_request(make_request("big", 20, 13))
+    assert info.value.field == "sampling_params.max_tokens"
     s.add_request(make_request("ok", 20, 12))
     assert s.get_request_counts() == (0, 1)
 
 
 def test_prompt_without_room_is_rejected_when_max_tokens_is_none() -> None:
     s = make_scheduler(max_model_len=32, max_num_batched_tokens=32)
-    with pytest.raises(ValueError, match=r"'p'.*32 tokens.*max_model_len=32"):
+    with pytest.raises(InvalidRequestError, match=r"'p'.*32 tokens.*max_model_len=32") as info:
         s.add_request(make_request("p", 32, None))
+    assert info.value.field == "prompt"  # no max_tokens could make it fit
+    with pytest.raises(InvalidRequestError, match=r"'p'.*33 tokens") as info:
+        s.add_request(make_request("p", 33, 4))
+    assert info.value.field == "prompt"
     s.add_request(make_request("q", 31, None))
 
 
 def test_request_beyond_the_whole_cache_is_rejected() -> None:
     # 4 usable pages of 4 hold 16 tokens of KV; the last output token needs none.
     s = make_scheduler(num_pages=5)
-    with pytest.raises(ValueError, match=r"'r'.*17 tokens of KV need 5 pages.*only 4"):
+    with pytest.raises(InvalidRequestError, match=r"'r'.*17 tokens of KV need 5 pages.*only 4"
+                       ) as info:
         s.add_request(make_request("r", 8, 10))
+    assert info.value.field == "sampling_params.max_tokens"
+    with pytest.raises(InvalidRequestError) as info:
+        s.add_request(make_request("r", 17, 1))  # the prompt alone needs 5 pages
+    assert info.value.field == "prompt"
     s.add_request(make_request("fits", 8, 9, ignore_eos=True))
     got = run(s)
     assert len(got.tokens["fits"]) == 9
@@ -42,8 +54,9 @@ def test_request_beyond_the_whole_cache_is_rejected() -> None:
 def test_duplicate_live_request_id_is_rejected_until_it_ends() -> None:
     s = make_scheduler()
     s.add_request(make_request("a", 4, 2))
-    with pytest.raises(ValueError, match="'a' is already in use"):
+    with pytest.raises(InvalidRequestError, match="'a' is already in use") as info:
         s.add_request(make_request("a", 4, 2))
+    assert info.value.field == "request_id"
     run(s)
     s.add_request(make_request("a", 4, 2))
     assert s.get_request_counts() == (0, 1)

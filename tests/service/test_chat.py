@@ -19,7 +19,7 @@ import pytest
 
 from esurge.engine.chat import ChatPrompt
 from esurge.engine.inputs import InputProcessor
-from esurge.errors import InvalidInputError
+from esurge.errors import InvalidRequestError
 from esurge.sampling_params import SamplingParams
 from service.admission import engine_error_violation
 from service.client import EngineClient
@@ -103,7 +103,7 @@ def test_a_model_without_a_template_refuses_chat(live_server: Any) -> None:
     engine = live_server.engine
     inputs = InputProcessor(engine.tokenizer, engine.model.vocab_size,
                             engine.model.eos_token_ids, 512, chat_template=None)
-    with pytest.raises(InvalidInputError) as info:
+    with pytest.raises(InvalidRequestError) as info:
         inputs.prepare("r", ChatPrompt.of(MESSAGES), PARAMS)
     assert info.value.field == "chat"
     from generated.esurge.v1 import engine_pb2

@@ -153,29 +153,6 @@ async def test_stream_rejection_keeps_the_stream_running(stub: Any) -> None:
     assert responses[1].outputs.outputs[0].request_id == "good"
 
 
-@pytest.mark.parametrize(
-    ("message", "expected"),
-    [
-        ("top_p must be in (0, 1], got 1.5", "top_p"),
-        ("logit_bias[7] must be a number in [-100, 100], got 300", "logit_bias[7]"),
-        ("max_num_batched_tokens (128) is smaller than max_model_len", "max_num_batched_tokens"),
-        ("stop_token_ids must be token ids < vocab size 10, got [12]", "stop_token_ids"),
-        ("temperature_scale must be > 0", None),
-        ("something else went wrong", None),
-        ("", None),
-    ],
-)
-def test_field_name_from_message(message: str, expected: str | None) -> None:
-    known = {"top_p", "logit_bias", "max_num_batched_tokens", "stop_token_ids", "temperature"}
-    assert errors.field_name_from_message(message, known) == expected
-
-
-def test_unknown_field_falls_back_to_the_parent() -> None:
-    violation = errors.violation_from_value_error(
-        ValueError("vocab exhausted"), parent="request.sampling_params", known_fields={"top_p"})
-    assert violation == FieldViolation("request.sampling_params", "vocab exhausted")
-
-
 def test_helpers_refuse_misuse() -> None:
     with pytest.raises(ValueError, match="retry_after_s"):
         errors.resource_exhausted("busy", retry_after_s=-1.0)

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 
 from esurge.sampling_params import SamplingParams
 from generated.esurge.v1 import engine_pb2, service_pb2
@@ -176,3 +177,143 @@ def test_dead_engine_is_internal_and_not_serving(tiny_llama_dir: Path) -> None:
 
     health, code = asyncio.run(scenario())
     assert (health, code) == ("NOT_SERVING", grpc.StatusCode.INTERNAL)
+
+
+def long_prompt(length: int, **sampling: Any) -> engine_pb2.EngineRequest:
+    msg = request(**sampling)
+    msg.prompt_token_ids.token_ids[:] = [5 + i % 400 for i in range(length)]
+    return msg
+
+
+def text_prompt(text: str) -> engine_pb2.EngineRequest:
+    msg = engine_pb2.EngineRequest(prompt_text=text)
+    msg.sampling_params.max_tokens = 4
+    return msg
+
+
+# A prompt no max_tokens could make fit is the prompt's fault, not max_tokens'.
+OVERLONG_PROMPTS: list[tuple[str, Callable[[], engine_pb2.EngineRequest], str]] = [
+    ("600 ids, max_tokens unset", lambda: long_prompt(600), "request.prompt_token_ids"),
+    ("600 ids, max_tokens 4", lambda: long_prompt(600, max_tokens=4),
+     "request.prompt_token_ids"),
+    ("512 ids, unbounded", lambda: long_prompt(512, max_tokens_unbounded=True),
+     "request.prompt_token_ids"),
+    ("1 MB of text", lambda: text_prompt("x" * (1 << 20)), "request.prompt_text"),
+]
+
+
+def test_overlong_prompt_names_the_prompt(client: EngineClient) -> None:
+    for name, make, field in OVERLONG_PROMPTS:
+        code, fields, _ = refusal(functools.partial(client.generate_unary, make()))
+        assert (name, code, fields) == (name, grpc.StatusCode.INVALID_ARGUMENT, [field])
+
+
+BAD_IDS = ["caf\u00e9", "line\nbreak", "x" * 20_000, "tab\there"]
+
+
+def test_bad_request_id_is_invalid_argument(client: EngineClient) -> None:
+    for bad in BAD_IDS:
+        for call in (functools.partial(client.generate_unary, [5, 6], request_id=bad),
+                     lambda bad=bad: list(client.generate([5, 6], request_id=bad))):
+            code, fields, status = refusal(call)
+            assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                      ["request.request_id"]), bad[:20]
+    # From metadata the value is ASCII already; a long one is refused the same
+    # way, and the description names the metadata key.
+    code, fields, status = refusal(lambda: client.generate_unary(
+        [5, 6], metadata=[("x-request-id", "y" * 1000)]))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.request_id"])
+    assert "x-request-id" in field_violations(status)[0].description
+    ok = "Req-42_a.b:c/d"
+    assert client.generate_unary([5, 6], SamplingParams(max_tokens=2),
+                                 request_id=ok).request_id == ok
+
+
+def _raw_unary(client: EngineClient, method: str) -> Callable[[bytes], Any]:
+    return client.channel.unary_unary(f"/esurge.v1.EngineService/{method}",
+                                      request_serializer=None, response_deserializer=None)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append(value & 0x7F | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _string_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field on the wire, whatever its payload."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def test_invalid_utf8_is_invalid_argument(client: EngineClient) -> None:
+    bad = b"\xff\xfe"
+    cases = [
+        # GenerateUnaryRequest.request (1) -> EngineRequest.prompt_text (3)
+        ("GenerateUnary", _string_field(1, _string_field(3, bad)), "request.prompt_text"),
+        # ... -> EngineRequest.request_id (1)
+        ("GenerateUnary", _string_field(1, _string_field(1, bad) + _string_field(3, b"hi")),
+         "request.request_id"),
+        # TokenizeRequest.text (1)
+        ("Tokenize", _string_field(1, bad), "text"),
+    ]
+    for method, payload, field in cases:
+        call = functools.partial(_raw_unary(client, method), payload, timeout=10)
+        code, fields, _ = refusal(call)
+        assert (method, code, fields) == (method, grpc.StatusCode.INVALID_ARGUMENT, [field])
+    # The streaming call refuses the same way.
+    stream = client.channel.unary_stream("/esurge.v1.EngineService/Generate",
+                                         request_serializer=None, response_deserializer=None)
+    code, fields, _ = refusal(lambda: list(stream(cases[0][1], timeout=10)))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.prompt_text"])
+
+
+def test_invalid_utf8_on_an_engine_stream_is_a_rejection(client: EngineClient) -> None:
+    good = service_pb2.EngineStreamRequest(add_request=build_request(
+        [5, 6], SamplingParams(max_tokens=2), request_id="good-after-bad")).SerializeToString()
+    bad = _string_field(1, _string_field(3, b"\xc3("))  # add_request.prompt_text
+    stream = client.channel.stream_stream(
+        "/esurge.v1.EngineService/EngineStream", request_serializer=None,
+        response_deserializer=service_pb2.EngineStreamResponse.FromString)
+    responses = list(stream(iter([bad, good]), timeout=30))
+    rejection = responses[0].rejection
+    assert rejection.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    status = status_pb2.Status(code=rejection.code, details=rejection.details)
+    assert [v.field for v in field_violations(status)] == ["add_request.prompt_text"]
+    finished = [o.request_id for r in responses[1:] for o in r.outputs.outputs
+                if o.finish_reason]
+    assert finished == ["good-after-bad"]
+
+
+def test_unknown_sampling_field_is_refused(client: EngineClient) -> None:
+    msg = build_request([5, 6, 7], SamplingParams(max_tokens=2))
+    # A second sampling_params (4) on the wire merges into the first: it adds
+    # varint field 127 = 1, which this server's SamplingParams does not have.
+    engine_request = msg.SerializeToString() + _string_field(4, _varint(127 << 3) + b"\x01")
+    parsed = engine_pb2.EngineRequest.FromString(engine_request)
+    assert parsed.sampling_params.max_tokens == 2
+    code, fields, status = refusal(lambda: _raw_unary(client, "GenerateUnary")(
+        _string_field(1, engine_request), timeout=10))
+    assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT, ["request.sampling_params"])
+    assert "127" in field_violations(status)[0].description
+
+
+def test_field_paths_do_not_depend_on_message_text(client: EngineClient,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from esurge.errors import FieldError
+
+    original = FieldError.__init__
+
+    def reworded(self: FieldError, field: str, message: str) -> None:
+        original(self, field, "reworded: " + message[::-1])
+
+    monkeypatch.setattr(FieldError, "__init__", reworded)
+    descriptions: list[str] = []
+    for name, make, field in BAD_REQUESTS + OVERLONG_PROMPTS:
+        code, fields, status = refusal(functools.partial(client.generate_unary, make()))
+        assert (name, code, fields) == (name, grpc.StatusCode.INVALID_ARGUMENT, [field])
+        descriptions.extend(v.description for v in field_violations(status))
+    # The engine's own refusals were reworded, and still named their fields.
+    assert sum(d.startswith("reworded: ") for d in descriptions) >= 12
