@@ -69,8 +69,12 @@ def reference(hf: tuple[Any, Any], prompt_ids: list[list[int]]
     out = []
     with torch.no_grad():
         for ids in prompt_ids:
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=2, output_logits=True,
+            # An explicit mask: the chat prompts hold <|im_end|>, the model's pad id,
+            # which generate would otherwise take for padding.
+            prompt = torch.tensor([ids])
+            gen = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=2, output_logits=True,
                                  return_dict_in_generate=True)
             tokens = gen.sequences[0, len(ids):].tolist()
             logprobs = [float(torch.log_softmax(step[0].double(), -1)[t])
