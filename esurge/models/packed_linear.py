@@ -15,11 +15,18 @@ weight.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
+from esurge.models.cpu_kernels import (
+    PANEL,
+    cpu_has_avx512,
+    kernels_serve,
+    packed_matmul_kernel,
+)
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
            "packed_matmul", "packed_silu_mul"]
@@ -39,8 +46,26 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
     return padded.reshape(k, -1, PANEL).transpose(1, 0, 2)
 
 
-def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
-    return x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)
+# Most rows (a bucket's, known when tracing) the kernel takes where the CPU
+# lacks AVX-512: with 16 vector registers its row tiles are 2 rows, and from
+# a few dozen rows XLA's blocked matmul over the same panels wins (measured on
+# a Zen 3: 128 rows of a [576, 3072] weight, 43 ms in the kernel, 9 ms in XLA;
+# at 1 real row of a 16-row bucket the kernel, skipping padding, takes 0.7 ms
+# against XLA's 3 ms for all 16). With AVX-512 the kernel serves every size.
+_AVX2_MAX_ROWS = 16
+
+
+@functools.cache
+def _kernel_max_rows() -> int | None:
+    return None if cpu_has_avx512() else _AVX2_MAX_ROWS
+
+
+def _kernel_takes(x: jax.Array, packed: jax.Array, serving: bool) -> bool:
+    """serving: the model's own call, which takes XLA past the row limit."""
+    if not (x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)):
+        return False
+    limit = _kernel_max_rows() if serving else None
+    return limit is None or x.shape[0] <= limit
 
 
 def packed_matmul(
@@ -48,13 +73,17 @@ def packed_matmul(
     packed: jax.Array,  # [P, in, PANEL]
     out_features: int,
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
+    *,
+    serving: bool = False,
 ) -> jax.Array:  # [T, out_features]
     """x @ W for a packed W: the CPU kernel for float32, else XLA.
 
     Rows at or past num_rows are padding: the kernel returns zeros for them
     without computing them; the XLA path computes them like the others.
+    serving: pick the faster of the two for this many rows on this CPU (the
+    kernel only up to _AVX2_MAX_ROWS rows without AVX-512).
     """
-    if _kernel_takes(x, packed):
+    if _kernel_takes(x, packed, serving):
         return packed_matmul_kernel(x, packed, out_features, num_rows)
     y = jnp.einsum("tk,pkn->tpn", x, packed).reshape(x.shape[0], -1)
     return y[:, :out_features]
@@ -75,10 +104,13 @@ def packed_silu_mul(
     packed: jax.Array,  # [P, in, PANEL] from pack_gate_up
     intermediate: int,
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
+    *,
+    serving: bool = False,
 ) -> jax.Array:  # [T, intermediate]
     """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
-    (so the [T, 2I] product is never written); XLA elsewhere."""
-    if _kernel_takes(x, packed):
+    (so the [T, 2I] product is never written); XLA elsewhere. serving: as for
+    packed_matmul."""
+    if _kernel_takes(x, packed, serving):
         return packed_matmul_kernel(x, packed, intermediate, num_rows, silu_mul=True)
     y = jnp.einsum("tk,pkn->tpn", x, packed)
     gate = y[..., :_HALF].reshape(x.shape[0], -1)[:, :intermediate]
@@ -95,7 +127,7 @@ class PackedGateUp(nnx.Module):
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, intermediate]
-        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows)
+        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows, serving=True)
 
 
 class PackedLinear(nnx.Module):
@@ -108,7 +140,7 @@ class PackedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, out]
-        y = packed_matmul(x, self.weight[...], self.out_features, num_rows)
+        y = packed_matmul(x, self.weight[...], self.out_features, num_rows, serving=True)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "MATMUL_TARGET", "PANEL", "TARGET", "kernel_available", "kernels_serve",
+    "MATMUL_TARGET", "PANEL", "TARGET", "cpu_has_avx512", "kernel_available", "kernels_serve",
     "packed_matmul_kernel", "paged_attention_kernel",
 ]
 
@@ -62,6 +62,15 @@ def _cpu_signature() -> str:
         return platform.processor()
     keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(keep)))
+
+
+def cpu_has_avx512() -> bool:
+    """True when this CPU runs AVX-512F (read from /proc/cpuinfo at run time)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and " avx512f" in line for line in text.splitlines())
 
 
 def _compiler_version(cxx: str) -> str:
