@@ -12,23 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from esurge.engine.request_output import CompletionOutput, RequestOutput
-from esurge.engine_types import EngineCoreEvent, EngineCoreEventType, FinishReason
+from esurge.engine_types import EngineCoreEvent, EngineCoreEventType
 from generated.esurge.v1 import engine_pb2, service_pb2
 from service.convert import (
     event_to_proto,
+    finish_reason_to_proto,
     prompt_logprobs_to_proto,
     set_stop_reason,
     token_logprobs_to_proto,
 )
 
 __all__ = ["RequestCursor", "SampleDelta", "sample_request_id"]
-
-_FINISH_BY_NAME: dict[str, engine_pb2.FinishReason] = {
-    str(FinishReason.STOP): engine_pb2.FINISH_REASON_STOP,
-    str(FinishReason.LENGTH): engine_pb2.FINISH_REASON_LENGTH,
-    str(FinishReason.ABORT): engine_pb2.FINISH_REASON_ABORT,
-}
-
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
     """The engine's id of sample `index` of a request with n samples."""
@@ -135,8 +129,7 @@ class RequestCursor:
             logprobs=[token_logprobs_to_proto(lp) for lp in logprobs[state.logprobs:]],
             num_draft_tokens=comp.num_draft_tokens - state.drafts,
             num_accepted_tokens=comp.num_accepted_tokens - state.accepted,
-            finish_reason=(_FINISH_BY_NAME[comp.finish_reason] if comp.finish_reason
-                           else engine_pb2.FINISH_REASON_UNSPECIFIED),
+            finish_reason=finish_reason_to_proto(comp.finish),
             stop_reason=comp.stop_reason, completion_tokens=len(comp.token_ids),
             events=self._first_events(output) if self.return_events and not state.started
             else [],

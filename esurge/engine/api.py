@@ -22,6 +22,7 @@ from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestOutput
+from esurge.errors import InvalidConfigError
 from esurge.models.loader import LoadedModel, load_model
 from esurge.runner.runner import eSurgeRunner
 from esurge.sampling_params import SamplingParams
@@ -133,12 +134,13 @@ class eSurge:
         limit = getattr(self.model.hf_config, "max_position_embeddings", None)
         max_len = config.scheduler_config.max_model_len
         if limit is not None and max_len > int(limit):
-            raise ValueError(f"max_model_len ({max_len}) exceeds the model's "
-                             f"max_position_embeddings ({limit})")
+            raise InvalidConfigError("max_model_len", f"max_model_len ({max_len}) exceeds the "
+                                     f"model's max_position_embeddings ({limit})")
         spec = config.speculative_config
         if (spec is not None and spec.use_eagle() and spec.speculative_model is not None
                 and not Path(spec.speculative_model).is_dir()):
-            raise ValueError(f"speculative_model {spec.speculative_model!r} is not a directory")
+            raise InvalidConfigError("speculative_model", f"speculative_model "
+                                     f"{spec.speculative_model!r} is not a directory")
 
     @property
     def loop(self) -> EngineLoop:

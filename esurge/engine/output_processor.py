@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 from esurge.engine.detokenizer import IncrementalDetokenizer
 from esurge.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
-from esurge.engine_types import EngineCoreEventType, EngineCoreOutput
+from esurge.engine_types import EngineCoreEventType, EngineCoreOutput, FinishReason
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.sampling_params import SamplingParams
 
@@ -135,7 +135,7 @@ class OutputProcessor:
                 new_ids = new_ids[:sample.detok.consumed]
                 new_logprobs = new_logprobs[:len(new_ids)] if new_logprobs else new_logprobs
             if sample.detok.stop_string is not None and (cut or not out.finished):
-                comp.finish_reason, comp.stop_reason = "stop", sample.detok.stop_string
+                comp.finish, comp.stop_reason = FinishReason.STOP, sample.detok.stop_string
                 stopped = True
         comp.delta_token_ids = list(new_ids)
         comp.token_ids.extend(new_ids)
@@ -147,8 +147,8 @@ class OutputProcessor:
             comp.logprobs.extend(new_logprobs)
         comp.num_draft_tokens += out.num_draft_tokens
         comp.num_accepted_tokens += out.num_accepted_tokens
-        if out.finished and comp.finish_reason is None:
-            comp.finish_reason = str(out.finish_reason)
+        if out.finished and comp.finish is None:
+            comp.finish = out.finish_reason
             comp.stop_reason = out.stop_reason
         if comp.finished:
             metrics.finished_time = now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from esurge.engine_types import FinishReason
 from esurge.outputs import TokenLogprobs
 
 __all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "snapshot"]
@@ -33,13 +34,14 @@ class CompletionOutput:
     """One sample of a request (index < n).
 
     text and token_ids are cumulative; delta_text and delta_token_ids hold
-    what is new since the previous streamed RequestOutput.
+    what is new since the previous streamed RequestOutput. `finish` is why
+    the sample ended (None while it runs); `finish_reason` is its name.
     """
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     delta_text: str = ""
@@ -48,9 +50,14 @@ class CompletionOutput:
     num_accepted_tokens: int = 0
 
     @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length" or "abort" once the sample ended (vLLM's names)."""
+        return None if self.finish is None else str(self.finish)
+
+    @property
     def finished(self) -> bool:
         """True once this sample has ended."""
-        return self.finish_reason is not None
+        return self.finish is not None
 
 
 @dataclass(slots=True)
@@ -72,7 +79,7 @@ def snapshot(output: RequestOutput) -> RequestOutput:
     completions = [
         CompletionOutput(
             index=c.index, text=c.text, token_ids=list(c.token_ids),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            finish=c.finish, stop_reason=c.stop_reason,
             logprobs=None if c.logprobs is None else list(c.logprobs),
             delta_text=c.delta_text, delta_token_ids=list(c.delta_token_ids),
             num_draft_tokens=c.num_draft_tokens, num_accepted_tokens=c.num_accepted_tokens,
