@@ -180,7 +180,7 @@ class EngineStreamSession:
             self._reject(request_id, invalid_argument([FieldViolation(
                 "add_request.request_id", f"request_id {request_id!r} is already in flight")]))
             return
-        overload = self._policy.refusal(self._bridge.engine, self._bridge)
+        overload = self._policy.refusal(self._bridge)
         if overload is not None:
             self._reject(request_id, overload)
             return

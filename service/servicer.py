@@ -136,7 +136,7 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
             await abort_with_status(context, invalid_argument(err.violations))
         request_id = request_id or new_request_id()
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        overload = self.policy.refusal(bridge.engine, bridge)
+        overload = self.policy.refusal(bridge)
         if overload is not None:
             await abort_with_status(context, overload)
         sink: asyncio.Queue[tuple[str, BridgeItem]] = asyncio.Queue()
@@ -265,4 +265,4 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
                       context: Any) -> service_pb2.GetLoadResponse:
         """The engine's current load (also while draining)."""
         bridge = await self._bridge_or_abort(context)
-        return info.load_info(bridge.engine, self.state.phase is Phase.DRAINING)
+        return info.load_info(bridge.engine.stats, self.state.phase is Phase.DRAINING)

@@ -22,6 +22,7 @@ from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestOutput
+from esurge.engine.stats import EngineStats, StatsRecorder
 from esurge.errors import InvalidConfigError
 from esurge.models.loader import LoadedModel, load_model
 from esurge.runner.runner import eSurgeRunner
@@ -125,7 +126,8 @@ class eSurge:
                                      self.model.eos_token_ids, sched.max_model_len)
         core = EngineCore(self.scheduler, self.runner,
                           async_scheduling=self.runner.config.scheduler_config.async_scheduling)
-        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer))
+        recorder = StatsRecorder(self.scheduler, lambda: self.runner.spec_stats)
+        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer), recorder)
         self._loop.start()
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
@@ -146,6 +148,11 @@ class eSurge:
     def loop(self) -> EngineLoop:
         """The engine loop (for servers that drive requests themselves)."""
         return self._loop
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's numbers as the loop thread last published them (any thread)."""
+        return self._loop.stats
 
     def next_request_id(self) -> str:
         """A fresh request id."""
