@@ -21,7 +21,7 @@ from esurge.engine.core import EngineCore
 from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
 from esurge.engine.output_processor import OutputProcessor
-from esurge.engine.request_output import RequestOutput
+from esurge.engine.request_output import RequestDelta, RequestOutput
 from esurge.engine.stats import EngineStats, StatsRecorder
 from esurge.errors import InvalidConfigError
 from esurge.models.loader import LoadedModel, load_model
@@ -162,8 +162,8 @@ class eSurge:
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None,
                callback: Any, *, request_id: str | None = None, priority: int = 0,
                cache_salt: str | None = None, final_only: bool = False) -> str:
-        """Validate and queue one request; outputs go to callback on the engine thread
-        (each step's, or with final_only the finished one only).
+        """Validate and queue one request; outputs go to callback on the engine thread:
+        a RequestDelta per step, or with final_only the finished RequestOutput only.
 
         Blocks until the engine thread accepted it (at most one step)."""
         rid, accepted = self.submit_nowait(prompt, sampling_params, callback,
@@ -179,8 +179,8 @@ class eSurge:
         """Like submit, without waiting: the future fails if the engine refuses it.
 
         Input errors that need no engine state still raise ValueError at once.
-        final_only: the callback gets the finished output (or the engine's
-        error) only, not one per step."""
+        final_only: the callback gets the finished RequestOutput (or the
+        engine's error) only, not a RequestDelta per step."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         eos = self.inputs.eos_token_id
@@ -201,8 +201,8 @@ class eSurge:
             raise ValueError(f"got {len(params)} sampling_params for {len(plist)} prompts")
         results: queue.SimpleQueue[RequestOutput | EngineDeadError] = queue.SimpleQueue()
 
-        def on_output(item: RequestOutput | EngineDeadError) -> None:
-            if isinstance(item, EngineDeadError) or item.finished:
+        def on_output(item: RequestOutput | RequestDelta | EngineDeadError) -> None:
+            if isinstance(item, EngineDeadError | RequestOutput):  # final_only: the result
                 results.put(item)
 
         ids: list[str] = []
@@ -231,9 +231,10 @@ class eSurge:
         return [done[rid] for rid in ids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per engine step with new tokens (delta fields set)."""
-        items: queue.SimpleQueue[RequestOutput | EngineDeadError] = queue.SimpleQueue()
+               request_id: str | None = None, priority: int = 0) -> Iterator[RequestDelta]:
+        """Yield a RequestDelta per engine step with something new (tokens, text, events)."""
+        items: queue.SimpleQueue[RequestDelta | RequestOutput | EngineDeadError] = (
+            queue.SimpleQueue())
         rid = self.submit(prompt, sampling_params, items.put, request_id=request_id,
                           priority=priority)
         finished = False
@@ -242,6 +243,8 @@ class eSurge:
                 item = items.get()
                 if isinstance(item, EngineDeadError):
                     raise item
+                if not isinstance(item, RequestDelta):
+                    raise TypeError(f"a streaming callback got {type(item).__name__}")
                 finished = item.finished
                 yield item
         finally:

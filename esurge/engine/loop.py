@@ -3,7 +3,8 @@
 Only the loop thread touches the scheduler, the runner and the output
 processor. Other threads (the Python API, the gRPC servicer) send commands
 through a queue and get results through per-request callbacks, called on the
-loop thread with snapshots they may keep; the engine's numbers they read
+loop thread with immutable deltas (or, if they ask, the finished result) they
+may keep; the engine's numbers they read
 from `stats`, an immutable `EngineStats` the loop publishes each turn.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from esurge.engine.core import EngineCore
 from esurge.engine.output_processor import OutputProcessor
-from esurge.engine.request_output import RequestOutput, snapshot
+from esurge.engine.request_output import RequestDelta, RequestOutput, snapshot
 from esurge.engine.stats import EngineStats, StatsRecorder
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest, EngineRequestStatus
@@ -34,7 +35,9 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; the request cannot complete."""
 
 
-OutputCallback = Callable[[RequestOutput | EngineDeadError], None]
+# A streaming subscriber gets each step's RequestDelta; a final_only one the
+# finished RequestOutput; either may get the engine's death instead.
+OutputCallback = Callable[[RequestOutput | RequestDelta | EngineDeadError], None]
 
 
 @dataclass(slots=True)
@@ -91,8 +94,8 @@ class EngineLoop:
         """Queue a request. The future resolves once the scheduler accepted it,
         or fails with the scheduler's ValueError. make_requests builds the
         engine requests for the given sample ids (on the loop thread).
-        final_only: the callback gets the finished output only (no per-step
-        snapshots to build and discard)."""
+        The callback gets a RequestDelta per step, or with final_only the
+        finished RequestOutput only."""
         accepted: Future[None] = Future()
         if not self.alive:
             accepted.set_exception(EngineDeadError("the engine is not running"))
@@ -187,22 +190,24 @@ class EngineLoop:
         outputs = self.core.step()
         self._recorder.step_done(time.perf_counter() - began, sum(
             len(o.new_token_ids) for c in outputs.values() for o in c.outputs))
-        ready: list[tuple[OutputCallback, RequestOutput]] = []
+        ready: list[tuple[OutputCallback, RequestOutput | RequestDelta]] = []
         for client_outputs in outputs.values():
             processed = self.processor.process(client_outputs.outputs)
             if processed.stopped_by_string:
                 self.core.abort_requests(processed.stopped_by_string,
                                          EngineRequestStatus.FINISHED_STOPPED)
-            for request_output in processed.request_outputs:
+            for request_output, delta in zip(processed.request_outputs, processed.deltas,
+                                             strict=True):
                 rid = request_output.request_id
                 callback = self._callbacks.get(rid)
+                final_only = rid in self._final_only
                 if request_output.finished:
                     self._callbacks.pop(rid, None)
                     self._final_only.discard(rid)
-                elif rid in self._final_only:
+                elif final_only:
                     continue
                 if callback is not None:
-                    ready.append((callback, snapshot(request_output)))
+                    ready.append((callback, snapshot(request_output) if final_only else delta))
         # Published before the outputs go out: a caller that got its last
         # output sees stats that count it (pages freed, tokens counted).
         self.stats = self._recorder.read()
@@ -210,7 +215,8 @@ class EngineLoop:
             self._deliver(callback, item)
 
     @staticmethod
-    def _deliver(callback: OutputCallback, item: RequestOutput | EngineDeadError) -> None:
+    def _deliver(callback: OutputCallback,
+                 item: RequestOutput | RequestDelta | EngineDeadError) -> None:
         try:
             callback(item)
         except Exception:  # a broken consumer must not take the engine down

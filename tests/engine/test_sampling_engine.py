@@ -130,8 +130,8 @@ def test_text_stop_strings_and_stream(engine: eSurge) -> None:
     deltas = list(engine.stream(prompt, SamplingParams(temperature=0, max_tokens=24,
                                                        ignore_eos=True)))
     assert deltas[-1].finished
-    assert "".join(d.outputs[0].delta_text for d in deltas) == full.text
-    streamed = [t for d in deltas for t in d.outputs[0].delta_token_ids]
+    assert "".join(d.outputs[0].text for d in deltas) == full.text
+    streamed = [t for d in deltas for t in d.outputs[0].token_ids]
     assert streamed == full.token_ids
 
 
