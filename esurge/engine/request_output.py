@@ -98,6 +98,16 @@ class CompletionDelta:
         """True on the sample's last delta."""
         return self.finish is not None
 
+    @property
+    def delta_text(self) -> str:
+        """The new text: `text` under the name streamed outputs used before deltas."""
+        return self.text
+
+    @property
+    def delta_token_ids(self) -> tuple[int, ...]:
+        """The new token ids: `token_ids` under the name streamed outputs used before."""
+        return self.token_ids
+
 
 @dataclass(frozen=True, slots=True)
 class RequestDelta:
