@@ -6,12 +6,17 @@ is a random-initialised Llama (hidden 256, 4 layers, 4 heads, 2 KV heads,
 vocab 4096) with a 4096-token BPE tokenizer trained here; both are built in a
 temp dir. For each N in --clients, max(N, 32) requests (W1 repeated) are run
 
-- in process: N threads calling `eSurge.generate` one request at a time, and
+- in process: the engine's best mode, `eSurge.generate` given all the
+  requests at once (the same for every N), and
 - over gRPC: N asyncio streaming clients (one channel each) against
   `python -m service` running the same engine configuration in its own process,
 
 and the script prints time to first token and inter-token latency (p50/p99,
-gRPC side), generated tokens/s of both, and their ratio (goal: >= 0.9 at 64).
+gRPC side), generated tokens/s of both and their ratio (goal: >= 0.9 at 64),
+and the serving process's CPU time per generated token (the server's, read
+from /proc; the engine's in process) and its ratio (goal: <= 1.1). The
+load-generating clients run in this process, on the same cores: wall
+tokens/s is shared with them, server CPU per token is not.
 Both engines share a JAX compilation cache, so the server warms up quickly.
 
     .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--keep DIR]
@@ -22,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import queue
 import re
 import shutil
 import subprocess
@@ -93,38 +97,39 @@ class Result:
     seconds: float
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0  # CPU seconds of the serving process (the engine's, or the server's)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def cpu_us_per_token(self) -> float:
+        return 1e6 * self.cpu_s / self.tokens
+
 
 def in_process(engine: object, requests: list[list[int]], clients: int) -> Result:
-    """N threads, each running one request at a time through eSurge.generate."""
+    """The engine's best mode: `eSurge.generate` given all the requests at once.
+
+    `clients` does not change it (the engine batches what it is given); it is
+    the baseline each gRPC client count is compared with. cpu_s is this
+    process's CPU time, the engine's alone (no client runs meanwhile).
+    """
     from esurge.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    work: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-    for prompt in requests:
-        work.put(prompt)
-    counts: list[int] = []
+    start, cpu = time.perf_counter(), time.process_time()
+    outs = engine.generate(requests, params)  # type: ignore[attr-defined]
+    result = Result(sum(len(o.outputs[0].token_ids) for o in outs),
+                    time.perf_counter() - start)
+    result.cpu_s = time.process_time() - cpu
+    return result
 
-    def worker() -> None:
-        while True:
-            try:
-                prompt = work.get_nowait()
-            except queue.Empty:
-                return
-            [out] = engine.generate([prompt], params)  # type: ignore[attr-defined]
-            counts.append(len(out.outputs[0].token_ids))
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return Result(sum(counts), time.perf_counter() - start)
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def over_grpc(target: str, requests: list[list[int]], clients: int) -> Result:
@@ -187,21 +192,21 @@ def percentile(values: list[float], q: float) -> float:
     return 1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def measure(engine: object, target: str, prompts: list[list[int]], counts: list[int],
-            repeats: int) -> tuple[dict[int, Result], dict[int, Result]]:
+def measure(engine: object, target: str, server_pid: int, prompts: list[list[int]],
+            counts: list[int], repeats: int) -> tuple[dict[int, Result], dict[int, Result]]:
     """Best of `repeats` runs per client count, local and gRPC runs interleaved so
     that load from other processes on the machine hits both alike."""
     in_process(engine, prompts[:4], 4)  # first-call effects out of the numbers
     asyncio.run(over_grpc(target, prompts[:4], 4))
-    batch = in_process(engine, prompts, PROMPTS)
-    print(f"in-process eSurge.generate, 32 threads: {batch.tokens_per_s:.0f} tok/s", flush=True)
     local: dict[int, Result] = {}
     remote: dict[int, Result] = {}
     for n in counts:
         requests = [prompts[i % PROMPTS] for i in range(max(n, PROMPTS))]
         for _ in range(repeats):
             lo = in_process(engine, requests, n)
+            cpu = process_cpu_s(server_pid)
             r = asyncio.run(over_grpc(target, requests, n))
+            r.cpu_s = process_cpu_s(server_pid) - cpu
             if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
                 local[n] = lo
             if n not in remote or r.tokens_per_s > remote[n].tokens_per_s:
@@ -212,15 +217,17 @@ def measure(engine: object, target: str, prompts: list[list[int]], counts: list[
 
 
 def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result]) -> None:
-    """The results table."""
+    """The results table; CPU is µs of the serving process's CPU per generated token."""
     print(f"{'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'gRPC tok/s':>10} {'local tok/s':>11} {'ratio':>6}")
+          f"{'gRPC tok/s':>10} {'local tok/s':>11} {'ratio':>6} {'gRPC CPU':>9} "
+          f"{'local CPU':>9} {'ratio':>6}")
     for n in counts:
         r, lo = remote[n], local[n]
         print(f"{n:>7} {percentile(r.ttft, .5):>7.1f}ms {percentile(r.ttft, .99):>7.1f}ms "
               f"{percentile(r.itl, .5):>6.1f}ms {percentile(r.itl, .99):>6.1f}ms "
               f"{r.tokens_per_s:>10.0f} {lo.tokens_per_s:>11.0f} "
-              f"{r.tokens_per_s / lo.tokens_per_s:>6.2f}")
+              f"{r.tokens_per_s / lo.tokens_per_s:>6.2f} {r.cpu_us_per_token:>7.0f}us "
+              f"{lo.cpu_us_per_token:>7.0f}us {r.cpu_us_per_token / lo.cpu_us_per_token:>6.2f}")
 
 
 def main() -> None:
@@ -249,7 +256,7 @@ def main() -> None:
               f"of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
         proc, target = start_server(model_dir, env)
         try:
-            local, remote = measure(engine, target, prompts, counts, args.repeats)
+            local, remote = measure(engine, target, proc.pid, prompts, counts, args.repeats)
         finally:
             proc.terminate()
             proc.wait(120)

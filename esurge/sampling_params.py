@@ -12,9 +12,11 @@ from dataclasses import dataclass, field, replace
 
 from esurge.errors import InvalidRequestError, RequestField
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
-_MAX_LOGPROBS = 20
+# Most alternatives per position logprobs / prompt_logprobs may ask for; the
+# sampler's device arrays are sized by it.
+MAX_LOGPROBS = 20
 
 
 def _fail(name: str, value: object, rule: str) -> None:
@@ -124,8 +126,8 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS):
-                _fail(name, value, f"None or an int in [0, {_MAX_LOGPROBS}]")
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                _fail(name, value, f"None or an int in [0, {MAX_LOGPROBS}]")
 
     def _check_tokens(self) -> None:
         if self.logit_bias is None:

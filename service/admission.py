@@ -31,7 +31,6 @@ from service.field_paths import engine_field_path
 from service.info import MAX_N
 
 if TYPE_CHECKING:
-    from esurge.engine.api import eSurge
     from service.bridge import EngineBridge, Sink
 
 __all__ = [
@@ -107,10 +106,10 @@ class AdmissionPolicy:
             raise ValueError(f"retry_after_s must be a finite number >= 0, "
                              f"got {self.retry_after_s!r}")
 
-    def refusal(self, engine: eSurge, bridge: EngineBridge) -> status_pb2.Status | None:
+    def refusal(self, bridge: EngineBridge) -> status_pb2.Status | None:
         """RESOURCE_EXHAUSTED when the waiting queue is full, else None."""
         # Requests still on their way into the scheduler will wait too.
-        waiting = engine.scheduler.get_request_counts()[1] + bridge.num_submitting
+        waiting = bridge.engine.stats.num_waiting + bridge.num_submitting
         if waiting < self.max_queued_requests:
             return None
         return resource_exhausted(

@@ -1,7 +1,8 @@
 """From the engine's own thread to asyncio: per-request queues for the servicer.
 
 The engine (`esurge.engine.loop.EngineLoop`) calls each request's callback on
-its thread after every step that produced something for it. The bridge turns
+its thread with a `RequestDelta` after every step that produced something
+for it. The bridge turns
 those calls into items on the asyncio queue ("sink") the request was
 submitted with, on the event loop's thread. Queues are unbounded on purpose:
 a slow client only grows its own queue; the engine thread never waits for a
@@ -24,16 +25,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from esurge.engine.chat import ChatPrompt
 from esurge.engine.inputs import Prompt
 from esurge.engine.loop import EngineDeadError
-from esurge.engine.request_output import RequestOutput
+from esurge.engine.request_output import RequestDelta, RequestOutput
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from esurge.engine.api import eSurge
 
-__all__ = ["Aborted", "BridgeItem", "EngineBridge", "Sink", "coalesce", "drain"]
+__all__ = ["Aborted", "BridgeItem", "EngineBridge", "Sink", "drain"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ class Aborted:
     request_id: str
 
 
-# What a sink receives: an output snapshot, the engine's death, or an abort.
-BridgeItem = RequestOutput | EngineDeadError | Aborted
+# What a sink receives: a step's delta, the engine's death, or an abort.
+BridgeItem = RequestDelta | EngineDeadError | Aborted
 T = TypeVar("T")
 
 
@@ -58,26 +60,16 @@ class Sink(Protocol):
         """Queue one (request id, item) pair without waiting."""
 
 
-def coalesce(items: list[tuple[str, T]]) -> list[tuple[str, T]]:
-    """Drop output snapshots that a later snapshot of the same request supersedes.
-
-    Snapshots are cumulative, so a reader behind the engine only needs each
-    request's latest one; every other item is kept, in order.
-    """
-    latest: dict[str, int] = {}
-    for position, (request_id, item) in enumerate(items):
-        if isinstance(item, RequestOutput):
-            latest[request_id] = position
-    return [(rid, item) for position, (rid, item) in enumerate(items)
-            if not isinstance(item, RequestOutput) or latest[rid] == position]
-
-
 async def drain(queue: asyncio.Queue[tuple[str, T]]) -> list[tuple[str, T]]:
-    """Wait for at least one item, then take everything queued, coalesced."""
+    """Wait for at least one item, then take everything queued, in order.
+
+    Each engine step's output for a request is one delta, so a reader that
+    fell behind sends one message per step it missed, nothing twice.
+    """
     items = [await queue.get()]
     while not queue.empty():
         items.append(queue.get_nowait())
-    return coalesce(items)
+    return items
 
 
 def _retrieve(future: Future[None]) -> None:
@@ -101,8 +93,8 @@ class EngineBridge:
         self._sinks: dict[str, Sink] = {}
         # Filled by the engine thread, emptied by the loop thread. deque
         # appends and pops are atomic, so no lock is needed.
-        self._arrived: collections.deque[tuple[str, RequestOutput | EngineDeadError]] = (
-            collections.deque())
+        self._arrived: collections.deque[
+            tuple[str, RequestDelta | RequestOutput | EngineDeadError]] = collections.deque()
         self._wakeup_posted = False
         # Few workers: tokenizing is CPU work, bounded per request by the
         # engine's text length limit; more threads would only contend.
@@ -125,8 +117,8 @@ class EngineBridge:
         Raises the engine's InvalidRequestError (naming the bad field) for bad
         input or a request id that is already in flight, and EngineDeadError
         when the engine is not running. Returns once the scheduler accepted it.
-        A text prompt or bad_words are tokenized on a worker thread, never on
-        the event loop.
+        A text prompt, a chat (rendered by the template, then tokenized) or
+        bad_words are tokenized on a worker thread, never on the event loop.
         """
         if request_id in self._sinks:
             raise InvalidRequestError(RequestField.REQUEST_ID,
@@ -137,7 +129,7 @@ class EngineBridge:
         self.num_submitting += 1
         queued: asyncio.Future[Future[None]] | None = None
         try:
-            if isinstance(prompt, str) or params.bad_words:
+            if isinstance(prompt, str | ChatPrompt) or params.bad_words:
                 queued = self._loop.run_in_executor(self._tokenizing, submit)
                 accepted = await asyncio.shield(queued)
             else:
@@ -198,7 +190,8 @@ class EngineBridge:
 
     # ---- engine thread -> loop thread -------------------------------------
 
-    def _from_engine(self, request_id: str, item: RequestOutput | EngineDeadError) -> None:
+    def _from_engine(self, request_id: str,
+                     item: RequestDelta | RequestOutput | EngineDeadError) -> None:
         """Called on the engine thread: queue the item and wake the loop once."""
         self._arrived.append((request_id, item))
         if self._wakeup_posted:
@@ -219,6 +212,8 @@ class EngineBridge:
             sink = self._sinks.get(request_id)
             if sink is None:
                 continue  # aborted here already; its stream has ended
+            if isinstance(item, RequestOutput):
+                continue  # only final_only callbacks get these; the bridge never asks
             if isinstance(item, EngineDeadError):
                 dead = item
                 del self._sinks[request_id]

@@ -3,7 +3,8 @@
 Inbound (client -> engine) conversions validate: a bad value raises
 `InvalidFieldError` whose violations name the proto field path, e.g.
 `request.sampling_params.top_p` when called with `field_prefix="request"`.
-Outbound (engine -> client) conversions trust the engine's objects.
+Outbound pieces (finish reasons, events, logprobs) trust the engine's
+objects; the response messages are assembled in `service.responses`.
 
 Where proto3 cannot tell "unset" from "empty", the mapping is fixed here and
 documented per function: an empty repeated field or map is the engine's None
@@ -23,8 +24,6 @@ from esurge.engine.chat import ChatMessage, ChatPrompt
 from esurge.engine_types import (
     EngineCoreEvent,
     EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
     FinishReason,
 )
 from esurge.errors import InvalidRequestError
@@ -42,12 +41,9 @@ from service.wire import unknown_field_numbers
 
 __all__ = [
     "SAMPLING_FIELDS", "GenerationRequest", "config_from_proto", "config_to_proto",
-    "engine_core_output_from_proto", "engine_core_output_to_proto",
-    "engine_core_outputs_from_proto", "engine_core_outputs_to_proto", "engine_request_from_proto",
-    "engine_request_to_proto", "event_from_proto", "event_to_proto", "finish_reason_from_proto",
-    "finish_reason_to_proto", "prompt_logprobs_from_proto", "prompt_logprobs_to_proto",
-    "sampling_params_from_proto", "sampling_params_to_proto", "set_stop_reason",
-    "stop_reason_from_proto", "token_logprobs_from_proto", "token_logprobs_to_proto",
+    "engine_request_from_proto", "engine_request_to_proto", "event_to_proto",
+    "finish_reason_to_proto", "prompt_logprobs_to_proto", "sampling_params_from_proto",
+    "sampling_params_to_proto", "set_stop_reason", "token_logprobs_to_proto",
 ]
 
 # Optional proto fields passed to SamplingParams only when present, so that an
@@ -68,14 +64,12 @@ _FINISH_TO_PROTO: dict[FinishReason, engine_pb2.FinishReason] = {
     FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: engine_pb2.FINISH_REASON_ABORT,
 }
-_FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_TO_PROTO.items()}
 
 _EVENT_TO_PROTO: dict[EngineCoreEventType, engine_pb2.EngineCoreEventType] = {
     EngineCoreEventType.QUEUED: engine_pb2.ENGINE_CORE_EVENT_TYPE_QUEUED,
     EngineCoreEventType.SCHEDULED: engine_pb2.ENGINE_CORE_EVENT_TYPE_SCHEDULED,
     EngineCoreEventType.PREEMPTED: engine_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED,
 }
-_EVENT_FROM_PROTO: dict[int, EngineCoreEventType] = {v: k for k, v in _EVENT_TO_PROTO.items()}
 
 # ----------------------------------------------------------------- sampling
 
@@ -302,15 +296,6 @@ def finish_reason_to_proto(reason: FinishReason | None) -> engine_pb2.FinishReas
     return engine_pb2.FINISH_REASON_UNSPECIFIED if reason is None else _FINISH_TO_PROTO[reason]
 
 
-def finish_reason_from_proto(value: int) -> FinishReason | None:
-    """The engine finish reason; FINISH_REASON_UNSPECIFIED is None (not finished)."""
-    if value == engine_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    if value not in _FINISH_FROM_PROTO:
-        raise ValueError(f"finish_reason {value!r} is not a known FinishReason value")
-    return _FINISH_FROM_PROTO[value]
-
-
 def set_stop_reason(msg: Any, stop_reason: int | str | None) -> None:
     """Fill the `stop_reason` oneof of `msg` (EngineCoreOutput, GenerateResponse or
     Completion): an int is a stop token id, a str a stop string, None neither."""
@@ -326,26 +311,9 @@ def set_stop_reason(msg: Any, stop_reason: int | str | None) -> None:
         raise ValueError(f"stop_reason must be an int, a str or None, got {stop_reason!r}")
 
 
-def stop_reason_from_proto(msg: Any) -> int | str | None:
-    """The engine stop reason held in the `stop_reason` oneof of `msg`."""
-    kind = msg.WhichOneof("stop_reason")
-    if kind == "stop_token_id":
-        return int(msg.stop_token_id)
-    if kind == "stop_string":
-        return str(msg.stop_string)
-    return None
-
-
 def event_to_proto(event: EngineCoreEvent) -> engine_pb2.EngineCoreEvent:
     """The proto form of one lifecycle event."""
     return engine_pb2.EngineCoreEvent(type=_EVENT_TO_PROTO[event.type], timestamp=event.timestamp)
-
-
-def event_from_proto(msg: engine_pb2.EngineCoreEvent) -> EngineCoreEvent:
-    """The engine form of one lifecycle event."""
-    if msg.type not in _EVENT_FROM_PROTO:
-        raise ValueError(f"event type {msg.type!r} is not a known EngineCoreEventType value")
-    return EngineCoreEvent(_EVENT_FROM_PROTO[msg.type], msg.timestamp)
 
 
 def token_logprobs_to_proto(logprobs: TokenLogprobs) -> engine_pb2.TokenLogprobs:
@@ -353,11 +321,6 @@ def token_logprobs_to_proto(logprobs: TokenLogprobs) -> engine_pb2.TokenLogprobs
     return engine_pb2.TokenLogprobs(
         token_ids=logprobs.token_ids, logprobs=logprobs.logprobs, rank=logprobs.rank
     )
-
-
-def token_logprobs_from_proto(msg: engine_pb2.TokenLogprobs) -> TokenLogprobs:
-    """The engine form of one position's logprobs."""
-    return TokenLogprobs(tuple(msg.token_ids), tuple(msg.logprobs), msg.rank)
 
 
 def prompt_logprobs_to_proto(
@@ -369,66 +332,3 @@ def prompt_logprobs_to_proto(
         else engine_pb2.PositionLogprobs(logprobs=token_logprobs_to_proto(entry))
         for entry in entries
     ]
-
-
-def prompt_logprobs_from_proto(
-    entries: Any,
-) -> list[TokenLogprobs | None]:
-    """Engine prompt logprobs from repeated PositionLogprobs."""
-    return [
-        token_logprobs_from_proto(e.logprobs) if e.HasField("logprobs") else None
-        for e in entries
-    ]
-
-
-def engine_core_output_to_proto(output: EngineCoreOutput) -> engine_pb2.EngineCoreOutput:
-    """The proto form of one request's step output."""
-    msg = engine_pb2.EngineCoreOutput(
-        request_id=output.request_id,
-        new_token_ids=output.new_token_ids,
-        new_logprobs=[token_logprobs_to_proto(lp) for lp in output.new_logprobs or ()],
-        new_prompt_logprobs=prompt_logprobs_to_proto(output.new_prompt_logprobs or []),
-        finish_reason=finish_reason_to_proto(output.finish_reason),
-        num_cached_tokens=output.num_cached_tokens,
-        events=[event_to_proto(e) for e in output.events or ()],
-        num_draft_tokens=output.num_draft_tokens,
-        num_accepted_tokens=output.num_accepted_tokens,
-    )
-    set_stop_reason(msg, output.stop_reason)
-    return msg
-
-
-def engine_core_output_from_proto(msg: engine_pb2.EngineCoreOutput) -> EngineCoreOutput:
-    """The engine form of one request's step output; empty lists become None."""
-    return EngineCoreOutput(
-        request_id=msg.request_id,
-        new_token_ids=list(msg.new_token_ids),
-        new_logprobs=[token_logprobs_from_proto(lp) for lp in msg.new_logprobs] or None,
-        new_prompt_logprobs=prompt_logprobs_from_proto(msg.new_prompt_logprobs) or None,
-        finish_reason=finish_reason_from_proto(msg.finish_reason),
-        stop_reason=stop_reason_from_proto(msg),
-        num_cached_tokens=msg.num_cached_tokens,
-        events=[event_from_proto(e) for e in msg.events] or None,
-        num_draft_tokens=msg.num_draft_tokens,
-        num_accepted_tokens=msg.num_accepted_tokens,
-    )
-
-
-def engine_core_outputs_to_proto(outputs: EngineCoreOutputs) -> engine_pb2.EngineCoreOutputs:
-    """The proto form of one step's outputs for one client; finished ids sorted."""
-    return engine_pb2.EngineCoreOutputs(
-        engine_index=outputs.engine_index,
-        outputs=[engine_core_output_to_proto(o) for o in outputs.outputs],
-        timestamp=outputs.timestamp,
-        finished_requests=sorted(outputs.finished_requests or ()),
-    )
-
-
-def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
-    """The engine form of one step's outputs; no finished ids becomes None."""
-    return EngineCoreOutputs(
-        engine_index=msg.engine_index,
-        outputs=[engine_core_output_from_proto(o) for o in msg.outputs],
-        timestamp=msg.timestamp,
-        finished_requests=set(msg.finished_requests) or None,
-    )

@@ -3,10 +3,10 @@
 A reader task takes the client's messages (add a request, abort some) and
 starts each request in its own task, so that many requests wait for the
 engine's acceptance at once instead of one per engine step. All of the
-stream's requests share one queue; the writer takes what has arrived,
-keeps the latest snapshot per request and sends one `EngineCoreOutputs` for
-it. A bad request gets a `RequestRejection` and the stream goes on; closing
-the stream (or cancelling it) aborts the requests it started.
+stream's requests share one queue; the writer takes what has arrived and
+sends it as one `EngineCoreOutputs`. A bad request gets a `RequestRejection`
+and the stream goes on; closing the stream (or cancelling it) aborts the
+requests it started.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from esurge.engine.loop import EngineDeadError
-from esurge.engine.request_output import RequestOutput
+from esurge.engine.request_output import RequestDelta
 from generated.esurge.v1 import engine_pb2, service_pb2
 from service.admission import parse_request, submit_or_status
 from service.bridge import BridgeItem, drain
@@ -115,11 +115,11 @@ class EngineStreamSession:
         return out
 
     def _add_outputs(self, step: engine_pb2.EngineCoreOutputs, request_id: str,
-                     item: RequestOutput | BridgeItem) -> None:
+                     item: BridgeItem) -> None:
         cursor = self._cursors.get(request_id)
         if cursor is None:
             return
-        if isinstance(item, RequestOutput):
+        if isinstance(item, RequestDelta):
             deltas = cursor.advance(item)
             prompt_logprobs = cursor.new_prompt_logprobs(item) if deltas else []
         else:
@@ -180,7 +180,7 @@ class EngineStreamSession:
             self._reject(request_id, invalid_argument([FieldViolation(
                 "add_request.request_id", f"request_id {request_id!r} is already in flight")]))
             return
-        overload = self._policy.refusal(self._bridge.engine, self._bridge)
+        overload = self._policy.refusal(self._bridge)
         if overload is not None:
             self._reject(request_id, overload)
             return

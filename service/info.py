@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.metadata
 from typing import TYPE_CHECKING
 
-from esurge.runner.sampler import MAX_LOGPROBS
+from esurge.sampling_params import MAX_LOGPROBS
 from generated.esurge.v1 import service_pb2
 from service.convert import SAMPLING_FIELDS, config_to_proto
 
 if TYPE_CHECKING:
     from esurge.engine.api import eSurge
+    from esurge.engine.stats import EngineStats
 
 __all__ = ["API_VERSION", "MAX_N", "load_info", "model_info", "server_info"]
 
@@ -78,8 +79,8 @@ def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:
         api_version=API_VERSION,
         library_versions=versions,
         config=config_to_proto(engine.config),
-        page_size=engine.runner.page_size,
-        num_pages=engine.runner.num_pages,
+        page_size=engine.stats.page_size,
+        num_pages=engine.stats.num_pages,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
         platform=devices[0].platform,
         # The runner places the model on the default device only.
@@ -87,30 +88,24 @@ def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:
     )
 
 
-def load_info(engine: eSurge, draining: bool) -> service_pb2.GetLoadResponse:
-    """A snapshot of the engine's load.
+def load_info(stats: EngineStats, draining: bool) -> service_pb2.GetLoadResponse:
+    """The engine's load, from the stats the engine loop last published.
 
-    Read from the event loop's thread while the engine thread runs: each
-    number is a single read of a counter or a length, so each is exact at
-    some instant, not all at the same one. Speculative decoding counters are
-    the engine's own, over every request since start-up.
+    Speculative decoding counters are the engine's own, over every request
+    since start-up.
     """
-    spec = engine.runner.spec_stats
-    scheduler = engine.scheduler
-    running, waiting = scheduler.get_request_counts()
-    kv = scheduler.kv_cache_manager
-    queried, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+    spec = stats.spec
     return service_pb2.GetLoadResponse(
-        num_running_requests=running,
-        num_waiting_requests=waiting,
-        kv_cache_usage=kv.usage,
-        num_free_pages=kv.num_free_pages,
-        prefix_cache_hit_rate=hits / queried if queried else 0.0,
-        prefix_cache_queried_tokens=queried,
-        prefix_cache_hit_tokens=hits,
-        num_draft_tokens=spec.num_draft_tokens if spec else 0,
-        num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
-        mean_acceptance_length=spec.mean_acceptance_length if spec else 0.0,
-        num_verifications=spec.num_verifications if spec else 0,
+        num_running_requests=stats.num_running,
+        num_waiting_requests=stats.num_waiting,
+        kv_cache_usage=stats.kv_cache_usage,
+        num_free_pages=stats.num_free_pages,
+        prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+        prefix_cache_queried_tokens=stats.prefix_cache_queries,
+        prefix_cache_hit_tokens=stats.prefix_cache_hits,
+        num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
+        mean_acceptance_length=spec.mean_acceptance_length,
+        num_verifications=spec.num_verifications,
         draining=draining,
     )

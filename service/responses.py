@@ -1,33 +1,25 @@
-"""Engine results (`RequestOutput` snapshots) as the service's response messages.
+"""Engine deltas (`RequestDelta`, one per engine step) as the service's response messages.
 
-A `RequestCursor` remembers, per sample, how much of a request's cumulative
-output a stream has already sent; each new snapshot yields only the rest.
-Because deltas come from cumulative fields, a stream may skip snapshots
-(a slow client gets the latest one, carrying everything since its last
-message) and nothing is lost or repeated.
+The engine hands each stream what a step added, so a `RequestCursor` only
+remembers per sample whether it started, ended, and its running totals for
+the usage of its last message; nothing is recomputed from cumulative output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from esurge.engine.request_output import CompletionOutput, RequestOutput
-from esurge.engine_types import EngineCoreEvent, EngineCoreEventType, FinishReason
+from esurge.engine.request_output import CompletionDelta, RequestDelta
 from generated.esurge.v1 import engine_pb2, service_pb2
 from service.convert import (
     event_to_proto,
+    finish_reason_to_proto,
     prompt_logprobs_to_proto,
     set_stop_reason,
     token_logprobs_to_proto,
 )
 
 __all__ = ["RequestCursor", "SampleDelta", "sample_request_id"]
-
-_FINISH_BY_NAME: dict[str, engine_pb2.FinishReason] = {
-    str(FinishReason.STOP): engine_pb2.FINISH_REASON_STOP,
-    str(FinishReason.LENGTH): engine_pb2.FINISH_REASON_LENGTH,
-    str(FinishReason.ABORT): engine_pb2.FINISH_REASON_ABORT,
-}
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -38,8 +30,6 @@ def sample_request_id(request_id: str, index: int, n: int) -> str:
 @dataclass(slots=True)
 class _SampleState:
     tokens: int = 0
-    text: int = 0
-    logprobs: int = 0
     drafts: int = 0
     accepted: int = 0
     started: bool = False
@@ -48,11 +38,11 @@ class _SampleState:
 
 @dataclass(slots=True)
 class SampleDelta:
-    """What is new for one sample since the stream's previous message."""
+    """One sample's part of one message."""
 
     index: int
     first: bool
-    token_ids: list[int]
+    token_ids: tuple[int, ...] | list[int]
     text: str
     logprobs: list[engine_pb2.TokenLogprobs]
     num_draft_tokens: int
@@ -65,7 +55,7 @@ class SampleDelta:
 
 @dataclass(slots=True)
 class RequestCursor:
-    """How far a stream got in one request's output."""
+    """What a stream has sent of one request: per sample, started / ended and totals."""
 
     request_id: str
     n: int
@@ -75,7 +65,6 @@ class RequestCursor:
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     _samples: list[_SampleState] = field(default_factory=list)
-    _prompt_logprobs_sent: int = 0
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -87,24 +76,23 @@ class RequestCursor:
         """True once every sample has sent its last delta."""
         return all(s.finished for s in self._samples)
 
-    def new_prompt_logprobs(self, output: RequestOutput) -> list[engine_pb2.PositionLogprobs]:
-        """Prompt logprobs not sent yet (chunked prefill delivers them in parts)."""
-        entries = output.prompt_logprobs or []
-        fresh = entries[self._prompt_logprobs_sent:]
-        self._prompt_logprobs_sent = len(entries)
-        return prompt_logprobs_to_proto(fresh)
+    @staticmethod
+    def new_prompt_logprobs(delta: RequestDelta) -> list[engine_pb2.PositionLogprobs]:
+        """The prompt logprobs this step delivered (chunked prefill sends them in parts)."""
+        return prompt_logprobs_to_proto(list(delta.prompt_logprobs))
 
-    def advance(self, output: RequestOutput) -> list[SampleDelta]:
-        """Deltas of every sample that has something new in `output`."""
-        self.prompt_tokens = len(output.prompt_token_ids)
-        self.num_cached_tokens = output.num_cached_tokens
-        self.prompt_token_ids = output.prompt_token_ids
-        deltas = []
-        for completion in output.outputs:
-            delta = self._advance_sample(completion, output)
-            if delta is not None:
-                deltas.append(delta)
-        return deltas
+    def advance(self, delta: RequestDelta) -> list[SampleDelta]:
+        """The message parts of every sample `delta` touched."""
+        if delta.first:
+            self.prompt_tokens = len(delta.prompt_token_ids)
+            self.num_cached_tokens = delta.num_cached_tokens
+            self.prompt_token_ids = list(delta.prompt_token_ids)
+        out = []
+        for completion in delta.outputs:
+            part = self._advance_sample(completion)
+            if part is not None:
+                out.append(part)
+        return out
 
     def abort_remaining(self) -> list[SampleDelta]:
         """Final ABORT deltas for the samples that have not finished."""
@@ -120,45 +108,27 @@ class RequestCursor:
             state.started = state.finished = True
         return deltas
 
-    def _advance_sample(self, comp: CompletionOutput, output: RequestOutput) -> SampleDelta | None:
+    def _advance_sample(self, comp: CompletionDelta) -> SampleDelta | None:
         state = self._samples[comp.index]
         if state.finished:
             return None
-        new_tokens = comp.token_ids[state.tokens:]
-        new_text = comp.text[state.text:] if self.return_text else ""
-        if state.started and not new_tokens and not new_text and not comp.finished:
+        text = comp.text if self.return_text else ""
+        events = [event_to_proto(e) for e in comp.events] if self.return_events else []
+        if state.started and not comp.token_ids and not text and not events and (
+                not comp.finished):
             return None
-        logprobs = comp.logprobs or []
-        delta = SampleDelta(
-            index=comp.index, first=not state.started, token_ids=list(new_tokens),
-            text=new_text,
-            logprobs=[token_logprobs_to_proto(lp) for lp in logprobs[state.logprobs:]],
-            num_draft_tokens=comp.num_draft_tokens - state.drafts,
-            num_accepted_tokens=comp.num_accepted_tokens - state.accepted,
-            finish_reason=(_FINISH_BY_NAME[comp.finish_reason] if comp.finish_reason
-                           else engine_pb2.FINISH_REASON_UNSPECIFIED),
-            stop_reason=comp.stop_reason, completion_tokens=len(comp.token_ids),
-            events=self._first_events(output) if self.return_events and not state.started
-            else [],
-        )
-        state.tokens, state.text = len(comp.token_ids), len(comp.text)
-        state.logprobs, state.drafts = len(logprobs), comp.num_draft_tokens
-        state.accepted, state.started = comp.num_accepted_tokens, True
-        state.finished = comp.finished
-        return delta
-
-    @staticmethod
-    def _first_events(output: RequestOutput) -> list[engine_pb2.EngineCoreEvent]:
-        # The engine's per-request metrics keep when the request was queued
-        # and first scheduled (monotonic clock); later events are not kept.
-        metrics = output.metrics
-        if metrics is None:
-            return []
-        events = [EngineCoreEvent(EngineCoreEventType.QUEUED, metrics.arrival_time)]
-        if metrics.first_scheduled_time is not None:
-            events.append(EngineCoreEvent(EngineCoreEventType.SCHEDULED,
-                                          metrics.first_scheduled_time))
-        return [event_to_proto(e) for e in events]
+        part = SampleDelta(
+            index=comp.index, first=not state.started, token_ids=comp.token_ids, text=text,
+            logprobs=[token_logprobs_to_proto(lp) for lp in comp.logprobs],
+            num_draft_tokens=comp.num_draft_tokens,
+            num_accepted_tokens=comp.num_accepted_tokens,
+            finish_reason=finish_reason_to_proto(comp.finish),
+            stop_reason=comp.stop_reason, completion_tokens=comp.num_tokens, events=events)
+        state.tokens = comp.num_tokens
+        state.drafts += comp.num_draft_tokens
+        state.accepted += comp.num_accepted_tokens
+        state.started, state.finished = True, comp.finished
+        return part
 
     # ---- message builders ----------------------------------------------------
 

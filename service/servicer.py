@@ -2,9 +2,9 @@
 
 Every generation call validates its request (`service.convert`, then the
 engine's own checks), submits it through the `EngineBridge`, and turns the
-engine's cumulative output snapshots into response messages
-(`service.responses`). A call that ends early, by client cancel or deadline,
-aborts its request in the engine, which frees its pages at once.
+engine's per-step deltas into response messages (`service.responses`). A
+call that ends early, by client cancel or deadline, aborts its request in
+the engine, which frees its pages at once.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from esurge.engine.loop import EngineDeadError
-from esurge.engine.request_output import RequestOutput
+from esurge.engine.request_output import RequestDelta
 from generated.esurge.v1 import service_pb2, service_pb2_grpc
 from service import info
 from service.admission import (
@@ -136,7 +136,7 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
             await abort_with_status(context, invalid_argument(err.violations))
         request_id = request_id or new_request_id()
         await context.send_initial_metadata(((REQUEST_ID_METADATA, request_id),))
-        overload = self.policy.refusal(bridge.engine, bridge)
+        overload = self.policy.refusal(bridge)
         if overload is not None:
             await abort_with_status(context, overload)
         sink: asyncio.Queue[tuple[str, BridgeItem]] = asyncio.Queue()
@@ -168,12 +168,12 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
                                context: Any) -> list[service_pb2.GenerateResponse]:
         if isinstance(item, EngineDeadError):
             await abort_with_status(context, internal(f"the engine failed: {item}"))
-        deltas = cursor.advance(item) if isinstance(item, RequestOutput) else (
+        deltas = cursor.advance(item) if isinstance(item, RequestDelta) else (
             cursor.abort_remaining())
         messages = [cursor.generate_response(d, with_prompt_ids=gen.return_prompt_token_ids,
                                              total_drafts=cursor.sample_totals(d.index))
                     for d in deltas]
-        if messages and isinstance(item, RequestOutput):
+        if messages and isinstance(item, RequestDelta):
             messages[0].prompt_logprobs.extend(cursor.new_prompt_logprobs(item))
         return messages
 
@@ -265,4 +265,4 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
                       context: Any) -> service_pb2.GetLoadResponse:
         """The engine's current load (also while draining)."""
         bridge = await self._bridge_or_abort(context)
-        return info.load_info(bridge.engine, self.state.phase is Phase.DRAINING)
+        return info.load_info(bridge.engine.stats, self.state.phase is Phase.DRAINING)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from esurge.engine.request_output import RequestOutput
+from esurge.engine.request_output import RequestDelta
 from generated.esurge.v1 import engine_pb2, service_pb2
 from service.bridge import Aborted
 from service.convert import set_stop_reason
@@ -24,8 +24,8 @@ class UnaryCollector:
         """True once every sample has ended."""
         return self.cursor.finished
 
-    def add(self, item: RequestOutput | Aborted) -> None:
-        """Take in one output snapshot, or the request's abort."""
+    def add(self, item: RequestDelta | Aborted) -> None:
+        """Take in one step's delta, or the request's abort."""
         cursor = self.cursor
         if isinstance(item, Aborted):
             deltas = cursor.abort_remaining()

@@ -22,7 +22,9 @@ from esurge.engine.core import EngineCore
 from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
 from esurge.engine.output_processor import OutputProcessor
-from esurge.engine.request_output import RequestOutput
+from esurge.engine.request_output import RequestDelta, RequestOutput
+from esurge.engine.stats import EngineStats, StatsRecorder
+from esurge.errors import InvalidConfigError
 from esurge.models.checkpoint import hf_tokenizer_of
 from esurge.models.loader import LoadedModel, load_model
 from esurge.packaged import resolve_model_path
@@ -146,7 +148,8 @@ class eSurge:
                                      self.chat_template)
         core = EngineCore(self.scheduler, self.runner,
                           async_scheduling=self.runner.config.scheduler_config.async_scheduling)
-        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer))
+        recorder = StatsRecorder(self.scheduler, lambda: self.runner.spec_stats)
+        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer), recorder)
         self._loop.start()
         self._ids = itertools.count()
         self._id_lock = threading.Lock()
@@ -155,17 +158,23 @@ class eSurge:
         limit = getattr(self.model.hf_config, "max_position_embeddings", None)
         max_len = config.scheduler_config.max_model_len
         if limit is not None and max_len > int(limit):
-            raise ValueError(f"max_model_len ({max_len}) exceeds the model's "
-                             f"max_position_embeddings ({limit})")
+            raise InvalidConfigError("max_model_len", f"max_model_len ({max_len}) exceeds the "
+                                     f"model's max_position_embeddings ({limit})")
         spec = config.speculative_config
         if (spec is not None and spec.use_eagle() and spec.speculative_model is not None
                 and not Path(spec.speculative_model).is_dir()):
-            raise ValueError(f"speculative_model {spec.speculative_model!r} is not a directory")
+            raise InvalidConfigError("speculative_model", f"speculative_model "
+                                     f"{spec.speculative_model!r} is not a directory")
 
     @property
     def loop(self) -> EngineLoop:
         """The engine loop (for servers that drive requests themselves)."""
         return self._loop
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's numbers as the loop thread last published them (any thread)."""
+        return self._loop.stats
 
     def next_request_id(self) -> str:
         """A fresh request id."""
@@ -175,8 +184,8 @@ class eSurge:
     def submit(self, prompt: Prompt, sampling_params: SamplingParams | None,
                callback: Any, *, request_id: str | None = None, priority: int = 0,
                cache_salt: str | None = None, final_only: bool = False) -> str:
-        """Validate and queue one request; outputs go to callback on the engine thread
-        (each step's, or with final_only the finished one only).
+        """Validate and queue one request; outputs go to callback on the engine thread:
+        a RequestDelta per step, or with final_only the finished RequestOutput only.
 
         Blocks until the engine thread accepted it (at most one step)."""
         rid, accepted = self.submit_nowait(prompt, sampling_params, callback,
@@ -192,8 +201,8 @@ class eSurge:
         """Like submit, without waiting: the future fails if the engine refuses it.
 
         Input errors that need no engine state still raise ValueError at once.
-        final_only: the callback gets the finished output (or the engine's
-        error) only, not one per step."""
+        final_only: the callback gets the finished RequestOutput (or the
+        engine's error) only, not a RequestDelta per step."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         eos = self.inputs.eos_token_id
@@ -214,8 +223,8 @@ class eSurge:
             raise ValueError(f"got {len(params)} sampling_params for {len(plist)} prompts")
         results: queue.SimpleQueue[RequestOutput | EngineDeadError] = queue.SimpleQueue()
 
-        def on_output(item: RequestOutput | EngineDeadError) -> None:
-            if isinstance(item, EngineDeadError) or item.finished:
+        def on_output(item: RequestOutput | RequestDelta | EngineDeadError) -> None:
+            if isinstance(item, EngineDeadError | RequestOutput):  # final_only: the result
                 results.put(item)
 
         ids: list[str] = []
@@ -254,9 +263,10 @@ class eSurge:
         return output
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               request_id: str | None = None, priority: int = 0) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput per engine step with new tokens (delta fields set)."""
-        items: queue.SimpleQueue[RequestOutput | EngineDeadError] = queue.SimpleQueue()
+               request_id: str | None = None, priority: int = 0) -> Iterator[RequestDelta]:
+        """Yield a RequestDelta per engine step with something new (tokens, text, events)."""
+        items: queue.SimpleQueue[RequestDelta | RequestOutput | EngineDeadError] = (
+            queue.SimpleQueue())
         rid = self.submit(prompt, sampling_params, items.put, request_id=request_id,
                           priority=priority)
         finished = False
@@ -265,6 +275,8 @@ class eSurge:
                 item = items.get()
                 if isinstance(item, EngineDeadError):
                     raise item
+                if not isinstance(item, RequestDelta):
+                    raise TypeError(f"a streaming callback got {type(item).__name__}")
                 finished = item.finished
                 yield item
         finally:

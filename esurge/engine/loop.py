@@ -3,7 +3,9 @@
 Only the loop thread touches the scheduler, the runner and the output
 processor. Other threads (the Python API, the gRPC servicer) send commands
 through a queue and get results through per-request callbacks, called on the
-loop thread with snapshots they may keep.
+loop thread with immutable deltas (or, if they ask, the finished result) they
+may keep; the engine's numbers they read
+from `stats`, an immutable `EngineStats` the loop publishes each turn.
 """
 
 from __future__ import annotations
@@ -11,13 +13,15 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from esurge.engine.core import EngineCore
 from esurge.engine.output_processor import OutputProcessor
-from esurge.engine.request_output import RequestOutput, snapshot
+from esurge.engine.request_output import RequestDelta, RequestOutput, snapshot
+from esurge.engine.stats import EngineStats, StatsRecorder
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.sampling_params import SamplingParams
@@ -31,7 +35,9 @@ class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; the request cannot complete."""
 
 
-OutputCallback = Callable[[RequestOutput | EngineDeadError], None]
+# A streaming subscriber gets each step's RequestDelta; a final_only one the
+# finished RequestOutput; either may get the engine's death instead.
+OutputCallback = Callable[[RequestOutput | RequestDelta | EngineDeadError], None]
 
 
 @dataclass(slots=True)
@@ -54,20 +60,28 @@ class _Abort:
 class EngineLoop:
     """Runs EngineCore.step() on a daemon thread while there is work."""
 
-    def __init__(self, core: EngineCore, processor: OutputProcessor) -> None:
+    def __init__(self, core: EngineCore, processor: OutputProcessor,
+                 recorder: StatsRecorder) -> None:
         self.core = core
         self.processor = processor
+        self._recorder = recorder
+        # Replaced (never mutated) by the loop thread: any thread may read it.
+        self.stats: EngineStats = recorder.read()
         self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
         self._callbacks: dict[str, OutputCallback] = {}
         self._final_only: set[str] = set()  # requests whose callback wants the last output only
         self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
-        self.num_steps = 0
 
     def start(self) -> None:
         """Start the loop thread."""
         self._thread.start()
+
+    @property
+    def num_steps(self) -> int:
+        """Engine steps run so far (as of the last published stats)."""
+        return self.stats.num_steps
 
     @property
     def alive(self) -> bool:
@@ -80,8 +94,8 @@ class EngineLoop:
         """Queue a request. The future resolves once the scheduler accepted it,
         or fails with the scheduler's ValueError. make_requests builds the
         engine requests for the given sample ids (on the loop thread).
-        final_only: the callback gets the finished output only (no per-step
-        snapshots to build and discard)."""
+        The callback gets a RequestDelta per step, or with final_only the
+        finished RequestOutput only."""
         accepted: Future[None] = Future()
         if not self.alive:
             accepted.set_exception(EngineDeadError("the engine is not running"))
@@ -109,6 +123,7 @@ class EngineLoop:
                     break
                 if self.core.has_work():
                     self._step()
+                self.stats = self._recorder.read()  # after aborts too, even with no step
             self.core.shutdown()
         except BaseException as exc:  # the loop must report, not vanish
             log.exception("engine loop failed")
@@ -155,8 +170,12 @@ class EngineLoop:
             cmd.accepted.set_exception(exc)
             return
         self._callbacks[cmd.request_id] = cmd.callback
+        self._recorder.num_prompt_tokens += len(cmd.prompt_token_ids) * len(added)
         if cmd.final_only:
             self._final_only.add(cmd.request_id)
+        # Published before the caller learns of the acceptance, so admission
+        # (which reads stats) never misses an accepted request.
+        self.stats = self._recorder.read()
         cmd.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
@@ -167,26 +186,37 @@ class EngineLoop:
         self._final_only.discard(request_id)
 
     def _step(self) -> None:
+        began = time.perf_counter()
         outputs = self.core.step()
-        self.num_steps += 1
+        self._recorder.step_done(time.perf_counter() - began, sum(
+            len(o.new_token_ids) for c in outputs.values() for o in c.outputs))
+        ready: list[tuple[OutputCallback, RequestOutput | RequestDelta]] = []
         for client_outputs in outputs.values():
             processed = self.processor.process(client_outputs.outputs)
             if processed.stopped_by_string:
                 self.core.abort_requests(processed.stopped_by_string,
                                          EngineRequestStatus.FINISHED_STOPPED)
-            for request_output in processed.request_outputs:
+            for request_output, delta in zip(processed.request_outputs, processed.deltas,
+                                             strict=True):
                 rid = request_output.request_id
                 callback = self._callbacks.get(rid)
+                final_only = rid in self._final_only
                 if request_output.finished:
                     self._callbacks.pop(rid, None)
                     self._final_only.discard(rid)
-                elif rid in self._final_only:
+                elif final_only:
                     continue
                 if callback is not None:
-                    self._deliver(callback, snapshot(request_output))
+                    ready.append((callback, snapshot(request_output) if final_only else delta))
+        # Published before the outputs go out: a caller that got its last
+        # output sees stats that count it (pages freed, tokens counted).
+        self.stats = self._recorder.read()
+        for callback, item in ready:
+            self._deliver(callback, item)
 
     @staticmethod
-    def _deliver(callback: OutputCallback, item: RequestOutput | EngineDeadError) -> None:
+    def _deliver(callback: OutputCallback,
+                 item: RequestOutput | RequestDelta | EngineDeadError) -> None:
         try:
             callback(item)
         except Exception:  # a broken consumer must not take the engine down

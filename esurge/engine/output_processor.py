@@ -1,4 +1,9 @@
-"""Turns engine-core output deltas into caller-facing RequestOutputs.
+"""Turns engine-core output deltas into caller-facing deltas and results.
+
+Each step gives every touched request an immutable `RequestDelta` (what is
+new: tokens, text, logprobs, events) for streaming subscribers; the
+cumulative `RequestOutput` is kept alongside for callers that want the
+whole result once it is finished (`eSurge.generate`).
 
 Owns detokenization and stop strings: when a sample's text reaches a stop
 string, the sample ends here and the caller is told which engine requests to
@@ -14,9 +19,16 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from esurge.engine.detokenizer import IncrementalDetokenizer
-from esurge.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
-from esurge.engine_types import EngineCoreEventType, EngineCoreOutput
+from esurge.engine.request_output import (
+    CompletionDelta,
+    CompletionOutput,
+    RequestDelta,
+    RequestMetrics,
+    RequestOutput,
+)
+from esurge.engine_types import EngineCoreEventType, EngineCoreOutput, FinishReason
 from esurge.errors import InvalidRequestError, RequestField
+from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
 
 __all__ = ["OutputProcessor", "ProcessedOutputs", "child_request_ids"]
@@ -33,6 +45,9 @@ class _Sample:
     completion: CompletionOutput
     detok: IncrementalDetokenizer | None
     metrics: RequestMetrics
+    # The text so far, in pieces: joined once, when the sample ends, so a
+    # long stream never copies its whole text per step.
+    text_parts: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -40,13 +55,20 @@ class _Parent:
     output: RequestOutput
     samples: list[_Sample] = field(default_factory=list)
     seen_first: bool = False
+    delivered: bool = False  # a delta of it went out
 
 
 @dataclass(slots=True)
 class ProcessedOutputs:
-    """One step's caller-facing results and the stop-string endings to apply."""
+    """One step's results and the stop-string endings to apply.
+
+    deltas[i] is what the step added to the request of request_outputs[i],
+    its cumulative result (complete once finished; until then its text is
+    not filled in).
+    """
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
+    deltas: list[RequestDelta] = field(default_factory=list)
     stopped_by_string: list[str] = field(default_factory=list)
 
 
@@ -91,26 +113,37 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Apply one step's outputs; each touched parent appears once in the result."""
         result = ProcessedOutputs()
-        touched: dict[int, _Parent] = {}
+        touched: dict[int, tuple[_Parent, list[CompletionDelta], list[TokenLogprobs | None]]] = {}
         now = time.monotonic()
         for out in outputs:
             sample = self._samples.get(out.request_id)
             if sample is None or sample.completion.finished:
                 continue
-            if self._apply(sample, out, now):
+            entry = touched.setdefault(id(sample.parent), (sample.parent, [], []))
+            delta, stopped = self._apply(sample, out, now)
+            if stopped:
                 result.stopped_by_string.append(out.request_id)
-            touched[id(sample.parent)] = sample.parent
+            entry[1].append(delta)
+            entry[2].extend(out.new_prompt_logprobs or ())
             if sample.completion.finished:
+                sample.completion.text = "".join(sample.text_parts)
                 del self._samples[out.request_id]
-        for parent in touched.values():
+        for parent, deltas, prompt_logprobs in touched.values():
             request_output = parent.output
             request_output.finished = all(c.finished for c in request_output.outputs)
             if request_output.finished:
                 del self._parents[request_output.request_id]
             result.request_outputs.append(request_output)
+            result.deltas.append(RequestDelta(
+                request_output.request_id, tuple(deltas), request_output.finished,
+                first=not parent.delivered, prompt_token_ids=request_output.prompt_token_ids,
+                num_cached_tokens=request_output.num_cached_tokens,
+                prompt_logprobs=tuple(prompt_logprobs)))
+            parent.delivered = True
         return result
 
-    def _apply(self, sample: _Sample, out: EngineCoreOutput, now: float) -> bool:
+    def _apply(self, sample: _Sample, out: EngineCoreOutput, now: float
+               ) -> tuple[CompletionDelta, bool]:
         comp, metrics = sample.completion, sample.metrics
         parent = sample.parent
         if not parent.seen_first:
@@ -125,9 +158,10 @@ class OutputProcessor:
                 metrics.first_scheduled_time = event.timestamp
         new_ids, new_logprobs = out.new_token_ids, out.new_logprobs
         stopped = False
+        text = ""
         if sample.detok is not None:
-            comp.delta_text = sample.detok.update(new_ids, finished=out.finished)
-            comp.text += comp.delta_text
+            text = sample.detok.update(new_ids, finished=out.finished)
+            sample.text_parts.append(text)
             cut = sample.detok.stop_string is not None and sample.detok.consumed < len(new_ids)
             if cut:
                 # A step that brought several tokens (a decode burst, accepted
@@ -135,24 +169,28 @@ class OutputProcessor:
                 new_ids = new_ids[:sample.detok.consumed]
                 new_logprobs = new_logprobs[:len(new_ids)] if new_logprobs else new_logprobs
             if sample.detok.stop_string is not None and (cut or not out.finished):
-                comp.finish_reason, comp.stop_reason = "stop", sample.detok.stop_string
+                comp.finish, comp.stop_reason = FinishReason.STOP, sample.detok.stop_string
                 stopped = True
-        comp.delta_token_ids = list(new_ids)
         comp.token_ids.extend(new_ids)
         if new_ids:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             metrics.token_times.extend([now] * len(new_ids))
-        if comp.logprobs is not None and new_logprobs:
-            comp.logprobs.extend(new_logprobs)
+        kept_logprobs = tuple(new_logprobs or ()) if comp.logprobs is not None else ()
+        if comp.logprobs is not None:
+            comp.logprobs.extend(kept_logprobs)
         comp.num_draft_tokens += out.num_draft_tokens
         comp.num_accepted_tokens += out.num_accepted_tokens
-        if out.finished and comp.finish_reason is None:
-            comp.finish_reason = str(out.finish_reason)
+        if out.finished and comp.finish is None:
+            comp.finish = out.finish_reason
             comp.stop_reason = out.stop_reason
         if comp.finished:
             metrics.finished_time = now
-        return stopped
+        delta = CompletionDelta(
+            comp.index, tuple(new_ids), text, kept_logprobs, tuple(out.events or ()),
+            len(comp.token_ids), out.num_draft_tokens, out.num_accepted_tokens, comp.finish,
+            comp.stop_reason)
+        return delta, stopped
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent; returns the engine ids still to abort in the scheduler."""

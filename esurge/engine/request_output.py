@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from esurge.engine_types import EngineCoreEvent, FinishReason
 from esurge.outputs import TokenLogprobs
 
-__all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "snapshot"]
+__all__ = ["CompletionDelta", "CompletionOutput", "RequestDelta", "RequestMetrics",
+           "RequestOutput", "snapshot"]
 
 
 @dataclass(slots=True)
@@ -32,25 +35,29 @@ class RequestMetrics:
 class CompletionOutput:
     """One sample of a request (index < n).
 
-    text and token_ids are cumulative; delta_text and delta_token_ids hold
-    what is new since the previous streamed RequestOutput.
+    Cumulative: the whole sample so far (text is filled in once it ended).
+    `finish` is why the sample ended (None while it runs); `finish_reason`
+    is its name. Streaming callers get `CompletionDelta`s instead.
     """
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
     @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length" or "abort" once the sample ended (vLLM's names)."""
+        return None if self.finish is None else str(self.finish)
+
+    @property
     def finished(self) -> bool:
         """True once this sample has ended."""
-        return self.finish_reason is not None
+        return self.finish is not None
 
 
 @dataclass(slots=True)
@@ -67,14 +74,67 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionDelta:
+    """What one engine step added to one sample: new tokens, text, logprobs, events.
+
+    num_tokens is the sample's token count so far (this delta's included);
+    the draft counts are this step's.
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...]
+    events: tuple[EngineCoreEvent, ...]
+    num_tokens: int
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    finish: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True on the sample's last delta."""
+        return self.finish is not None
+
+    @property
+    def delta_text(self) -> str:
+        """The new text: `text` under the name streamed outputs used before deltas."""
+        return self.text
+
+    @property
+    def delta_token_ids(self) -> tuple[int, ...]:
+        """The new token ids: `token_ids` under the name streamed outputs used before."""
+        return self.token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one engine step added to a request; streaming subscribers get these.
+
+    outputs holds the samples the step touched. first marks the request's
+    first delta, which carries num_cached_tokens; prompt_logprobs holds the
+    entries new in this step (chunked prefill delivers them in parts).
+    prompt_token_ids is the request's prompt, shared, never modified.
+    """
+
+    request_id: str
+    outputs: tuple[CompletionDelta, ...]
+    finished: bool
+    first: bool
+    prompt_token_ids: Sequence[int]
+    num_cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
+
+
 def snapshot(output: RequestOutput) -> RequestOutput:
     """A copy another thread may keep while the original keeps changing."""
     completions = [
         CompletionOutput(
             index=c.index, text=c.text, token_ids=list(c.token_ids),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            finish=c.finish, stop_reason=c.stop_reason,
             logprobs=None if c.logprobs is None else list(c.logprobs),
-            delta_text=c.delta_text, delta_token_ids=list(c.delta_token_ids),
             num_draft_tokens=c.num_draft_tokens, num_accepted_tokens=c.num_accepted_tokens,
         )
         for c in output.outputs

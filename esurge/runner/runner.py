@@ -203,8 +203,6 @@ class eSurgeRunner:
             if pages is not None:
                 ib.append_pages(row, pages)
             ib.num_computed[row] = cached.num_computed_tokens[i]
-            if cached.new_token_ids[i]:
-                ib.record_tokens(row, int(ib.num_known[row]), list(cached.new_token_ids[i]))
         for new in so.scheduled_new_reqs:
             ib.add(new)
 

@@ -21,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from esurge.sampling_params import MAX_LOGPROBS
+
 __all__ = [
     "MAX_LOGPROBS", "SamplerOutput", "SamplerVariant", "SamplingTensors", "apply_dense",
     "apply_filters", "gumbel_noise", "sample", "token_logprobs", "uniform_noise",
 ]
 
-MAX_LOGPROBS = 20
 _NEG_INF = -jnp.inf
 # Host builds these with numpy; inside jit they are jax arrays.
 Array = jax.Array | np.ndarray

@@ -54,17 +54,13 @@ class NewRequestData:
 class CachedRequestData:
     """Diffs for requests the runner already holds, one column entry per request.
 
-    resumed_from_preemption is always False here because resumed requests are
-    sent as NewRequestData; the column stays so the runner contract does not
-    change if that choice does. new_token_ids carries tokens the runner cannot
-    know by itself; the runner keeps the tokens it sampled, so these are empty.
-    new_page_ids[i] is None when the request got no new page this step.
+    A request resumed after preemption is sent as NewRequestData, and the
+    runner keeps the tokens it sampled, so no resumed flag or token column is
+    needed. new_page_ids[i] is None when the request got no new page this step.
     num_computed_tokens[i] is where this step's tokens start.
     """
 
     req_ids: list[str] = field(default_factory=list)
-    resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     new_page_ids: list[PageIds | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 

@@ -322,11 +322,8 @@ class Scheduler(SchedulerInterface):
         new_reqs = [NewRequestData.from_request(r, kv.get_pages(r.request_id).page_ids)
                     for r in plan.new_reqs]
         running = plan.running
-        count = len(running)
         cached = CachedRequestData(
             req_ids=[r.request_id for r in running],
-            resumed_from_preemption=[False] * count,
-            new_token_ids=[()] * count,
             new_page_ids=[None if p.is_empty() else p.page_ids for p in plan.running_pages],
             num_computed_tokens=[r.num_computed_tokens for r in running],
         )

@@ -69,7 +69,7 @@ def _mid_burst_stop(engine: eSurge) -> tuple[int, str]:
     """(k, s): the text s of output token k is new at k, and token k sits inside
     a burst of 4 (the prefill step samples token 0, bursts take 1-4, 5-8, ...)."""
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    deltas = [d.outputs[0].delta_text for d in engine.stream(PROMPT, plain)]
+    deltas = [d.outputs[0].text for d in engine.stream(PROMPT, plain)]
     text = "".join(deltas)
     for k in range(5, 20):
         start = len("".join(deltas[:k]))
@@ -106,9 +106,9 @@ def test_streamed_bursts_add_up_to_the_output(burst_engine: eSurge) -> None:
     full = burst_engine.generate([PROMPT], params)[0].outputs[0]
     deltas = list(burst_engine.stream(PROMPT, params))
     assert deltas[-1].finished
-    assert [t for d in deltas for t in d.outputs[0].delta_token_ids] == full.token_ids
-    assert "".join(d.outputs[0].delta_text for d in deltas) == full.text
-    assert max(len(d.outputs[0].delta_token_ids) for d in deltas) == 4  # a burst's tokens
+    assert [t for d in deltas for t in d.outputs[0].token_ids] == full.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == full.text
+    assert max(len(d.outputs[0].token_ids) for d in deltas) == 4  # a burst's tokens
 
 
 def test_seeded_sampling_in_bursts_matches_plain_steps(burst_engine: eSurge,

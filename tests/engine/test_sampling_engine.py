@@ -130,8 +130,8 @@ def test_text_stop_strings_and_stream(engine: eSurge) -> None:
     deltas = list(engine.stream(prompt, SamplingParams(temperature=0, max_tokens=24,
                                                        ignore_eos=True)))
     assert deltas[-1].finished
-    assert "".join(d.outputs[0].delta_text for d in deltas) == full.text
-    streamed = [t for d in deltas for t in d.outputs[0].delta_token_ids]
+    assert "".join(d.outputs[0].text for d in deltas) == full.text
+    streamed = [t for d in deltas for t in d.outputs[0].token_ids]
     assert streamed == full.token_ids
 
 
@@ -161,3 +161,12 @@ def test_bad_input_is_rejected_with_named_field(engine: eSurge) -> None:
         engine.generate([[]], SamplingParams())
     # The engine still serves after refusing bad input.
     assert engine.generate([PROMPT], SamplingParams(max_tokens=2))[0].finished
+
+
+def test_streamed_deltas_keep_the_delta_names(engine: eSurge) -> None:
+    # The README's streaming example reads delta_text; it is the delta's text.
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    deltas = list(engine.stream(PROMPT, params))
+    full = engine.generate([PROMPT], params)[0].outputs[0]
+    assert "".join(d.outputs[0].delta_text for d in deltas) == full.text
+    assert [t for d in deltas for t in d.outputs[0].delta_token_ids] == full.token_ids

@@ -169,3 +169,51 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
 def test_invalid_options_rejected_before_sampling(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def nucleus(probs: np.ndarray, top_p: float) -> set[int]:
+    order = np.argsort(-probs)
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    return set(order[mass_before < top_p].tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_filters_apply_to_the_tempered_distribution(temperature: float) -> None:
+    # top-p and min-p cut the distribution the token is drawn from: the
+    # logits divided by the temperature, not the raw ones.
+    row = base_logits(1)[0]
+    tempered = softmax(row / temperature)
+    want_p, raw_p = nucleus(tempered, 0.6), nucleus(softmax(row), 0.6)
+    assert want_p != raw_p  # so the order of the two steps shows
+    got = many(SamplingParams(temperature=temperature, top_p=0.6), logits_row=row)
+    assert set(got.tolist()) == want_p
+    want_min = set(np.nonzero(tempered >= 0.2 * tempered.max())[0].tolist())
+    raw = softmax(row)
+    assert want_min != set(np.nonzero(raw >= 0.2 * raw.max())[0].tolist())
+    got = many(SamplingParams(temperature=temperature, min_p=0.2), logits_row=row)
+    assert set(got.tolist()) == want_min
+    # Within a top-k cut the frequencies follow the tempered softmax.
+    top = np.argsort(-row)[:3]
+    expected = softmax(row[top] / temperature)
+    got = many(SamplingParams(temperature=temperature, top_k=3), n=8000, logits_row=row)
+    observed = np.array([(got == t).mean() for t in top])
+    assert np.abs(observed - expected).max() < 0.03
+
+
+def test_repetition_penalty_counts_generated_tokens() -> None:
+    # Token 0 was generated (never in the prompt): 3.0 / 2 = 1.5 drops it below 2.76.
+    logits = np.zeros((1, V), np.float32)
+    logits[0, :3] = [3.0, 2.7, 2.76]
+    rp = SamplingParams(temperature=0, repetition_penalty=2.0)
+    tokens, _ = run(logits, [rp], prompt=[9], outputs=[[0]])
+    assert tokens[0] == 2
+    unseen, _ = run(logits, [rp], prompt=[9], outputs=[[5]])
+    assert unseen[0] == 0
+    # A token observed after the row joined counts the same.
+    batch = SamplingBatch(1, V)
+    batch.set_row(0, rp, [9], [], None)
+    batch.observe(0, [0])
+    order = np.arange(1)
+    variant = batch.variant(order)
+    tensors = batch.tensors(order, 1, np.zeros(1, np.int32), variant)
+    assert int(np.asarray(sample_jit(jnp.asarray(logits), tensors, variant).token_ids)[0]) == 2

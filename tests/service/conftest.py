@@ -56,7 +56,7 @@ class LiveServer:
 
         deadline = time.monotonic() + timeout
         while True:
-            load = load_info(self.engine, draining=False)
+            load = load_info(self.engine.stats, draining=False)
             idle = (load.num_running_requests == 0 and load.num_waiting_requests == 0
                     and load.kv_cache_usage == 0.0)
             if idle or time.monotonic() > deadline:

@@ -11,8 +11,6 @@ from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfi
 from esurge.engine_types import (
     EngineCoreEvent,
     EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreOutputs,
     FinishReason,
 )
 from esurge.outputs import TokenLogprobs
@@ -172,43 +170,24 @@ def test_finish_reason_mapping_is_exact() -> None:
              FinishReason.LENGTH: 2, FinishReason.ABORT: 3}
     for reason, value in table.items():
         assert convert.finish_reason_to_proto(reason) == value
-        assert convert.finish_reason_from_proto(value) == reason
-    with pytest.raises(ValueError, match="finish_reason 9"):
-        convert.finish_reason_from_proto(9)
 
 
-def _logprobs(chosen: int, alt: int) -> TokenLogprobs:
-    return TokenLogprobs(token_ids=(chosen, alt), logprobs=(-0.5, -1.25), rank=2)
-
-
-def test_engine_core_output_round_trip_with_every_field() -> None:
-    output = EngineCoreOutput(
-        request_id="r-9", new_token_ids=[11, 12],
-        new_logprobs=[_logprobs(11, 4), _logprobs(12, 4)],
-        new_prompt_logprobs=[None, _logprobs(5, 6)],
-        finish_reason=FinishReason.STOP, stop_reason="END", num_cached_tokens=32,
-        events=[EngineCoreEvent(EngineCoreEventType.QUEUED, 1.5),
-                EngineCoreEvent(EngineCoreEventType.PREEMPTED, 2.25)],
-        num_draft_tokens=4, num_accepted_tokens=3,
-    )
-    msg = convert.engine_core_output_to_proto(output)
-    assert msg.WhichOneof("stop_reason") == "stop_string"
-    assert not msg.new_prompt_logprobs[0].HasField("logprobs")
-    wire = engine_pb2.EngineCoreOutput.FromString(msg.SerializeToString())
-    assert convert.engine_core_output_from_proto(wire) == output
-
-
-def test_stop_token_reason_and_running_output() -> None:
-    running = EngineCoreOutput(request_id="r", new_token_ids=[1], stop_reason=None)
-    msg = convert.engine_core_output_to_proto(running)
-    assert msg.finish_reason == engine_pb2.FINISH_REASON_UNSPECIFIED
+def test_stop_reason_fills_the_oneof() -> None:
+    msg = engine_pb2.EngineCoreOutput()
+    convert.set_stop_reason(msg, None)
     assert msg.WhichOneof("stop_reason") is None
-    assert convert.engine_core_output_from_proto(msg) == running
-    stopped = EngineCoreOutput(request_id="r", new_token_ids=[2],
-                               finish_reason=FinishReason.STOP, stop_reason=2)
-    msg = convert.engine_core_output_to_proto(stopped)
+    convert.set_stop_reason(msg, 2)
     assert (msg.WhichOneof("stop_reason"), msg.stop_token_id) == ("stop_token_id", 2)
-    assert convert.engine_core_output_from_proto(msg).stop_reason == 2
+    convert.set_stop_reason(msg, "END")
+    assert (msg.WhichOneof("stop_reason"), msg.stop_string) == ("stop_string", "END")
+
+
+def test_events_and_prompt_logprobs_to_proto() -> None:
+    event = convert.event_to_proto(EngineCoreEvent(EngineCoreEventType.PREEMPTED, 2.25))
+    assert (event.type, event.timestamp) == (engine_pb2.ENGINE_CORE_EVENT_TYPE_PREEMPTED, 2.25)
+    entries = convert.prompt_logprobs_to_proto([None, TokenLogprobs((5, 6), (-0.5, -1.25), 2)])
+    assert not entries[0].HasField("logprobs")
+    assert list(entries[1].logprobs.token_ids) == [5, 6] and entries[1].logprobs.rank == 2
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5])
@@ -219,22 +198,9 @@ def test_bad_stop_reason_is_refused(bad: object) -> None:
 
 def test_logprobs_travel_as_float32() -> None:
     msg = convert.token_logprobs_to_proto(TokenLogprobs((1,), (-0.1,), 1))
-    back = convert.token_logprobs_from_proto(
-        engine_pb2.TokenLogprobs.FromString(msg.SerializeToString()))
-    assert back.logprobs == (float(np.float32(-0.1)),)
-    assert back.logprobs != (-0.1,)
-
-
-def test_engine_core_outputs_sort_finished_ids() -> None:
-    outputs = EngineCoreOutputs(
-        engine_index=1, timestamp=9.5, finished_requests={"b", "a", "c"},
-        outputs=[EngineCoreOutput(request_id="a", new_token_ids=[3],
-                                  finish_reason=FinishReason.LENGTH)])
-    msg = convert.engine_core_outputs_to_proto(outputs)
-    assert list(msg.finished_requests) == ["a", "b", "c"]
-    assert convert.engine_core_outputs_from_proto(msg) == outputs
-    empty = convert.engine_core_outputs_to_proto(EngineCoreOutputs())
-    assert convert.engine_core_outputs_from_proto(empty).finished_requests is None
+    back = engine_pb2.TokenLogprobs.FromString(msg.SerializeToString())
+    assert tuple(back.logprobs) == (float(np.float32(-0.1)),)
+    assert tuple(back.logprobs) != (-0.1,)
 
 
 def test_full_config_round_trip() -> None:

@@ -7,7 +7,10 @@ means it was stopped, not left to finish.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -34,13 +37,38 @@ def assert_freed(live_server: Any, steps_at_start: int) -> None:
     assert steps < LONG, f"the request ran {steps} steps: it was not stopped"
 
 
-def short_deadline(client: Any) -> float:
-    """A deadline that passes well before a LONG request could finish on this machine."""
-    began = time.monotonic()
-    client.generate_unary([3, 4], SamplingParams(temperature=0.0, max_tokens=32,
-                                                 ignore_eos=True))
-    seconds_per_step = (time.monotonic() - began) / 32
-    return max(0.1, min(0.5, 0.25 * LONG * seconds_per_step))
+DEADLINE = 3.0  # seconds; the engine is held still while it passes
+
+
+@contextlib.contextmanager
+def engine_held(live_server: Any) -> Iterator[None]:
+    """Hold the engine still: a request of its own whose output callback (run on
+    the engine thread) blocks until the block exits, so no request can make
+    progress, however fast the machine, while a deadline passes."""
+    engine = live_server.engine
+    holding, release = threading.Event(), threading.Event()
+
+    def hold(item: Any) -> None:
+        holding.set()
+        release.wait(60)
+
+    rid = engine.submit([3], SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True),
+                        hold, request_id="holder")
+    assert holding.wait(60)
+    try:
+        yield
+    finally:
+        release.set()
+        engine.abort(rid)
+
+
+def wait_running(live_server: Any, count: int) -> None:
+    """Until the engine's published stats show `count` requests running."""
+    for _ in range(6000):
+        if live_server.engine.stats.num_running >= count:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{count} requests never ran")
 
 
 def test_abort_rpc_ends_the_stream_and_frees_pages(live_server: Any, client: Any) -> None:
@@ -72,21 +100,33 @@ def test_client_cancel_aborts_in_the_engine(live_server: Any, client: Any) -> No
 
 
 def test_deadline_exceeded_aborts_in_the_engine(live_server: Any, client: Any) -> None:
-    deadline = short_deadline(client)
     start = live_server.engine.loop.num_steps
-    with pytest.raises(grpc.RpcError) as info:
-        client.generate_unary([12, 13, 14], long_params(), timeout=deadline, request_id="slow")
-    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    errors: list[grpc.RpcError] = []
+
+    def call() -> None:
+        try:
+            client.generate_unary([12, 13, 14], long_params(), timeout=DEADLINE,
+                                  request_id="slow")
+        except grpc.RpcError as err:
+            errors.append(err)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_running(live_server, 1)  # it runs; then the engine is held past its deadline
+    with engine_held(live_server):
+        caller.join(30)
+    assert not caller.is_alive()
+    [error] = errors
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_freed(live_server, start)
     assert not live_server.engine.loop.processor.has_request("slow")
 
 
 def test_deadline_on_a_stream(live_server: Any, client: Any) -> None:
-    deadline = short_deadline(client)
     start = live_server.engine.loop.num_steps
-    stream = client.generate([15, 16], long_params(), timeout=deadline)
-    received = 0
-    with pytest.raises(grpc.RpcError) as info:
+    stream = client.generate([15, 16], long_params(), timeout=DEADLINE)
+    received = len(next(stream).token_ids)  # it runs; then the engine is held
+    with engine_held(live_server), pytest.raises(grpc.RpcError) as info:
         for message in stream:
             received += len(message.token_ids)
     assert 0 < received < LONG  # it was running when the deadline passed

@@ -100,6 +100,7 @@ def running_stream(live_server: Any, client: EngineClient) -> Any:
     thread.start()
     yield
     thread.join(60)
+    assert not thread.is_alive()
     assert tokens == expected.outputs[0].token_ids  # untouched by the refusals
 
 
@@ -317,3 +318,37 @@ def test_field_paths_do_not_depend_on_message_text(client: EngineClient,
         descriptions.extend(v.description for v in field_violations(status))
     # The engine's own refusals were reworded, and still named their fields.
     assert sum(d.startswith("reworded: ") for d in descriptions) >= 12
+
+
+async def test_engine_stream_request_id_rules(live_server: Any, client: EngineClient) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    rejections: list[service_pb2.RequestRejection] = []
+    outputs = 0
+    async with AsyncEngineClient(live_server.target, timeout=120) as aclient:
+        call = aclient.engine_stream()
+        await call.write(service_pb2.EngineStreamRequest(add_request=build_request([5, 6])))
+        await call.write(service_pb2.EngineStreamRequest(
+            add_request=build_request([7, 8], long, request_id="es-dup")))
+        sent_duplicate = closed = False
+        while (response := await call.read()) is not grpc.aio.EOF:
+            if response.HasField("rejection"):
+                rejections.append(response.rejection)
+            elif not sent_duplicate:  # es-dup is running: send its id again
+                sent_duplicate = True
+                await call.write(service_pb2.EngineStreamRequest(add_request=build_request(
+                    [9], SamplingParams(max_tokens=2), request_id="es-dup")))
+            else:
+                outputs += 1
+            if len(rejections) == 2 and not closed:
+                closed = True
+                await call.write(service_pb2.EngineStreamRequest(
+                    abort=service_pb2.RequestIds(request_ids=["es-dup"])))
+                await call.done_writing()
+    got = []
+    for r in rejections:
+        status = status_pb2.Status(code=r.code, details=r.details)
+        got.append((r.request_id, r.code, [v.field for v in field_violations(status)]))
+    invalid = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert got == [("", invalid, ["add_request.request_id"]),
+                   ("es-dup", invalid, ["add_request.request_id"])]
+    assert outputs > 0

@@ -52,4 +52,5 @@ def test_other_calls_are_served_while_a_request_tokenizes(
     finally:
         held.release.set()
         caller.join(30)
+    assert not caller.is_alive()
     assert len(answers[0].completions[0].token_ids) == 3
