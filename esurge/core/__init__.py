@@ -2,6 +2,7 @@
 
 from esurge.core.kv_cache_manager import KVCacheManager, KVCachePages
 from esurge.core.kv_cache_spec import (
+    AttentionSpec,
     CacheGroupsConfig,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -12,6 +13,7 @@ from esurge.core.kv_cache_spec import (
 from esurge.core.page_pool import PagePool
 
 __all__ = [
+    "AttentionSpec",
     "CacheGroupsConfig",
     "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from esurge.core.kv_cache_pages import KVCachePages
 from esurge.core.kv_cache_spec import (
+    AttentionSpec,
     CacheGroupsConfig,
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     SlidingWindowSpec,
 )
 from esurge.core.page_budget import computed_reaching, peak_pages
@@ -45,7 +45,7 @@ class _RequestState:
         self.extra_keys: tuple[ExtraKey, ...] = () if cache_salt is None else (cache_salt,)
 
 
-def _is_windowed(spec: FullAttentionSpec) -> bool:
+def _is_windowed(spec: AttentionSpec) -> bool:
     return isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec)
 
 

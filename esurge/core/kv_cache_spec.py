@@ -35,8 +35,13 @@ def _positive(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec:
-    """Causal attention over the whole sequence."""
+class AttentionSpec:
+    """What every layer's cache has: page geometry and element type.
+
+    The kinds (full, sliding window, chunked local) are siblings under this
+    base, so `isinstance` tells them apart; each says which positions a
+    query still attends to.
+    """
 
     page_size: int
     num_kv_heads: int
@@ -57,17 +62,25 @@ class FullAttentionSpec:
 
     def first_needed_token(self, num_computed_tokens: int) -> int:
         """Earliest position a query at num_computed_tokens (or later) can attend to."""
+        raise NotImplementedError(f"{type(self).__name__} must say which positions it reads")
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec(AttentionSpec):
+    """Causal attention over the whole sequence."""
+
+    def first_needed_token(self, num_computed_tokens: int) -> int:
         return 0
 
 
 @dataclass(frozen=True, slots=True)
-class SlidingWindowSpec(FullAttentionSpec):
+class SlidingWindowSpec(AttentionSpec):
     """Causal attention over the last `sliding_window` positions (the query's own included)."""
 
     sliding_window: int = 0
 
     def __post_init__(self) -> None:
-        FullAttentionSpec.__post_init__(self)
+        AttentionSpec.__post_init__(self)
         _positive("sliding_window", self.sliding_window)
 
     def first_needed_token(self, num_computed_tokens: int) -> int:
@@ -77,21 +90,18 @@ class SlidingWindowSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkedLocalAttentionSpec(FullAttentionSpec):
+class ChunkedLocalAttentionSpec(AttentionSpec):
     """Causal attention within fixed chunks of `attention_chunk_size` positions."""
 
     attention_chunk_size: int = 0
 
     def __post_init__(self) -> None:
-        FullAttentionSpec.__post_init__(self)
+        AttentionSpec.__post_init__(self)
         _positive("attention_chunk_size", self.attention_chunk_size)
 
     def first_needed_token(self, num_computed_tokens: int) -> int:
         chunk = self.attention_chunk_size
         return (num_computed_tokens // chunk) * chunk
-
-
-AttentionSpec = FullAttentionSpec  # every spec is a FullAttentionSpec subclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +113,7 @@ class KVCacheGroup:
     """
 
     layer_ids: tuple[int, ...]
-    spec: FullAttentionSpec
+    spec: AttentionSpec
 
     def __post_init__(self) -> None:
         if not self.layer_ids:
@@ -168,7 +178,7 @@ def _attr(config: Any, name: str) -> Any:
 
 def layer_specs_from_hf_config(
     hf_config: Any, page_size: int, dtype: str = "float32"
-) -> list[FullAttentionSpec]:
+) -> list[AttentionSpec]:
     """One attention spec per decoder layer, read from a Hugging Face config.
 
     Understands `layer_types` (full / sliding / chunked attention, as recent
@@ -184,7 +194,7 @@ def layer_specs_from_hf_config(
     window = _attr(text, "sliding_window")
     chunk = _attr(text, "attention_chunk_size")
 
-    def by_type(kind: str) -> FullAttentionSpec:
+    def by_type(kind: str) -> AttentionSpec:
         if kind == "sliding_attention" and window:
             return SlidingWindowSpec(page_size, kv_heads, head_dim, dtype, int(window))
         if kind == "chunked_attention" and chunk:
@@ -208,13 +218,13 @@ def layer_specs_from_hf_config(
     return [full] * num_layers
 
 
-def group_layer_specs(specs: list[FullAttentionSpec]) -> list[KVCacheGroup]:
+def group_layer_specs(specs: list[AttentionSpec]) -> list[KVCacheGroup]:
     """Group layers by spec into groups of equal size (the smallest type count).
 
     Layers of one spec are cut into consecutive runs of group_size, so a model
     whose layers all share a spec becomes a single group.
     """
-    by_spec: dict[FullAttentionSpec, list[int]] = {}
+    by_spec: dict[AttentionSpec, list[int]] = {}
     for layer_id, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer_id)
     group_size = min(len(ids) for ids in by_spec.values())

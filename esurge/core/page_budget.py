@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from esurge.core.kv_cache_spec import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     SlidingWindowSpec,
 )
 
 __all__ = ["computed_reaching", "peak_pages"]
 
 
-def _reach(spec: FullAttentionSpec) -> int | None:
+def _reach(spec: AttentionSpec) -> int | None:
     """Positions a query reads, itself included (None: the whole sequence)."""
     if isinstance(spec, SlidingWindowSpec):
         return spec.sliding_window
@@ -23,7 +23,7 @@ def _reach(spec: FullAttentionSpec) -> int | None:
     return None
 
 
-def peak_pages(specs: Sequence[FullAttentionSpec], num_tokens: int,
+def peak_pages(specs: Sequence[AttentionSpec], num_tokens: int,
                max_tokens_per_step: int | None = None) -> int:
     """Most pages, over all groups, a request of num_tokens tokens holds at once.
 
@@ -48,7 +48,7 @@ def peak_pages(specs: Sequence[FullAttentionSpec], num_tokens: int,
     return total
 
 
-def computed_reaching(spec: FullAttentionSpec, token: int) -> int:
+def computed_reaching(spec: AttentionSpec, token: int) -> int:
     """Least num_computed whose first_needed_token is >= token (token >= 1)."""
     if isinstance(spec, SlidingWindowSpec):
         return token + spec.sliding_window - 1

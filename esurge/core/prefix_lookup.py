@@ -9,14 +9,14 @@ the null page.
 
 from __future__ import annotations
 
-from esurge.core.kv_cache_spec import FullAttentionSpec
+from esurge.core.kv_cache_spec import AttentionSpec
 from esurge.core.page_hash import PageHash
 from esurge.core.page_pool import NULL_PAGE, PagePool
 
 __all__ = ["hit_pages", "longest_hit"]
 
 
-def longest_hit(pool: PagePool, specs: tuple[FullAttentionSpec, ...],
+def longest_hit(pool: PagePool, specs: tuple[AttentionSpec, ...],
                 windowed: tuple[int, ...], hashes: list[PageHash], limit: int) -> int:
     """Longest prefix (in pages, <= limit) all groups agree on.
 
@@ -42,7 +42,7 @@ def longest_hit(pool: PagePool, specs: tuple[FullAttentionSpec, ...],
     return num
 
 
-def _window_hit(pool: PagePool, spec: FullAttentionSpec, group: int,
+def _window_hit(pool: PagePool, spec: AttentionSpec, group: int,
                 hashes: list[PageHash], limit: int) -> int:
     index = pool.cached_pages(group)
     page_size = spec.page_size
@@ -59,7 +59,7 @@ def _window_hit(pool: PagePool, spec: FullAttentionSpec, group: int,
     return 0
 
 
-def hit_pages(pool: PagePool, specs: tuple[FullAttentionSpec, ...], hashes: list[PageHash],
+def hit_pages(pool: PagePool, specs: tuple[AttentionSpec, ...], hashes: list[PageHash],
               num_hit: int) -> tuple[tuple[int, ...], ...]:
     """Positional page entries per group for a prefix of num_hit cached pages."""
     pages: list[tuple[int, ...]] = []

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.core.kv_cache_spec import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     SlidingWindowSpec,
 )
 from esurge.models.batch import ForwardBatch
@@ -27,7 +27,7 @@ from esurge.models.rope import rope_cos_sin
 __all__ = ["CausalLM", "DecoderModel"]
 
 
-def _spec_matches(layer: LayerAttention, spec: FullAttentionSpec) -> bool:
+def _spec_matches(layer: LayerAttention, spec: AttentionSpec) -> bool:
     if isinstance(spec, SlidingWindowSpec):
         return layer.kind is AttentionKind.SLIDING and layer.window == spec.sliding_window
     if isinstance(spec, ChunkedLocalAttentionSpec):

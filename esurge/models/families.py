@@ -13,8 +13,8 @@ from enum import StrEnum
 from typing import Any
 
 from esurge.core.kv_cache_spec import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     SlidingWindowSpec,
     layer_specs_from_hf_config,
 )
@@ -132,7 +132,7 @@ def rope_config_from_hf(text: Any, kind: AttentionKind) -> RopeConfig:
     )
 
 
-def _layer_attention(spec: FullAttentionSpec, text: Any) -> LayerAttention:
+def _layer_attention(spec: AttentionSpec, text: Any) -> LayerAttention:
     if isinstance(spec, SlidingWindowSpec):
         kind, window = AttentionKind.SLIDING, spec.sliding_window
     elif isinstance(spec, ChunkedLocalAttentionSpec):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from esurge.core.kv_cache_spec import CacheGroupsConfig, FullAttentionSpec
+from esurge.core.kv_cache_spec import AttentionSpec, CacheGroupsConfig
 
 __all__ = ["NULL_PAGE", "KVCache", "init_kv_cache"]
 
@@ -35,7 +35,7 @@ class KVCache:
     keys: tuple[jax.Array, ...]  # group_size x [num_pages, page_size, kv_heads, head_dim]
     values: tuple[jax.Array, ...]  # group_size x [num_pages, page_size, kv_heads, head_dim]
     layer_slots: tuple[tuple[int, int], ...] = field(metadata={"static": True})
-    layer_specs: tuple[FullAttentionSpec, ...] = field(metadata={"static": True})
+    layer_specs: tuple[AttentionSpec, ...] = field(metadata={"static": True})
 
     @property
     def num_groups(self) -> int:

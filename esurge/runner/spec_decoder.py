@@ -70,7 +70,7 @@ class SpecStep:
 def _draft_group(groups: tuple[Any, ...]) -> tuple[int, AttentionWindow]:
     """The cache group whose page tables the draft reads: a full-attention one if any."""
     for i, group in enumerate(groups):
-        if type(group.spec) is FullAttentionSpec:
+        if isinstance(group.spec, FullAttentionSpec):
             return i, AttentionWindow()
     spec = groups[0].spec
     if isinstance(spec, SlidingWindowSpec):

@@ -179,3 +179,20 @@ def test_a_shared_page_leaving_the_window_does_not_count_as_room():
     assert kv.allocate_slots(a, 1) == KVCachePages(((4,),))
     assert kv.get_pages("a") == KVCachePages(((0, 0, 3, 4),))
     assert kv.pool.free_page_ids() == [2]
+
+
+def test_cache_specs_are_siblings() -> None:
+    from esurge.core import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(8, 2, 16)
+    window = SlidingWindowSpec(8, 2, 16, sliding_window=32)
+    chunk = ChunkedLocalAttentionSpec(8, 2, 16, attention_chunk_size=64)
+    assert all(isinstance(s, AttentionSpec) for s in (full, window, chunk))
+    assert not isinstance(window, FullAttentionSpec) and not isinstance(chunk, FullAttentionSpec)
+    assert [s.first_needed_token(100) for s in (full, window, chunk)] == [0, 69, 64]
+    assert full.page_bytes == window.page_bytes == 2 * 8 * 2 * 16 * 4
