@@ -118,6 +118,9 @@ class DecoderConfig:
     packed_weights: on top of fusion, every projection and the untied LM head
         store their weight in column panels for the CPU matmul kernel
         (esurge.models.packed_linear); needs fused_projections.
+    dual_layout: on top of packing, every packed projection also keeps its
+        input-major weight, which large buckets multiply by with XLA (chosen at
+        load where the CPU lacks AVX-512; see packed_linear.DUAL_KERNEL_MAX_ROWS).
     """
 
     vocab_size: int
@@ -142,6 +145,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     fused_projections: bool = False
     packed_weights: bool = False
+    dual_layout: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
@@ -169,6 +173,8 @@ class DecoderConfig:
                 _positive_float(name, value)
         if self.packed_weights and not self.fused_projections:
             raise ValueError("packed_weights=True needs fused_projections=True")
+        if self.dual_layout and not self.packed_weights:
+            raise ValueError("dual_layout=True needs packed_weights=True")
 
     @property
     def fused_gate_activation(self) -> bool:

@@ -61,35 +61,41 @@ def _map_layers(params: Params, change: Callable[[dict[str, Any]], dict[str, Any
     return {**params, "model": model}
 
 
-def _packed(linear: dict[str, Any], input_major: bool) -> dict[str, Any]:
+def _packed(linear: dict[str, Any], input_major: bool, dual: bool) -> dict[str, Any]:
     weight = linear["weight"] if input_major else linear["weight"].T
-    return {**linear, "weight": pack_weight(weight)}
+    packed = {**linear, "weight": pack_weight(weight)}
+    if dual:
+        packed["plain"] = weight
+    return packed
 
 
 def _pack_layer(config: DecoderConfig, layer: dict[str, Any]) -> dict[str, Any]:
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-    attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True)
-    attn["o_proj"] = _packed(attn["o_proj"], input_major=False)
+    dual = config.dual_layout
+    attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True, dual=dual)
+    attn["o_proj"] = _packed(attn["o_proj"], input_major=False, dual=dual)
     if config.fused_gate_activation:
-        mlp["gate_up_proj"] = {"weight": pack_gate_up(mlp["gate_up_proj"]["weight"],
-                                                      config.intermediate_size)}
+        weight = mlp["gate_up_proj"]["weight"]
+        mlp["gate_up_proj"] = {"weight": pack_gate_up(weight, config.intermediate_size),
+                               **({"plain": weight} if dual else {})}
     else:
-        mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True)
-    mlp["down_proj"] = _packed(mlp["down_proj"], input_major=False)
+        mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True, dual=dual)
+    mlp["down_proj"] = _packed(mlp["down_proj"], input_major=False, dual=dual)
     return {**layer, "self_attn": attn, "mlp": mlp}
 
 
-def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype
-                     ) -> tuple[DecoderConfig, ModelState]:
-    """The fused model with every projection and the untied LM head packed."""
+def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
+                     dual: bool = False) -> tuple[DecoderConfig, ModelState]:
+    """The fused model with every projection and the untied LM head packed;
+    dual keeps each input-major weight beside its panels (DecoderConfig.dual_layout)."""
     if not config.fused_projections:
         config, state = fuse_projections(config, state, dtype)
     if config.packed_weights:
         return config, state
-    packed_config = dataclasses.replace(config, packed_weights=True)
+    packed_config = dataclasses.replace(config, packed_weights=True, dual_layout=dual)
     params = _map_layers(state.params, lambda layer: _pack_layer(packed_config, layer))
     if params.get("lm_head") is not None:
-        params["lm_head"] = _packed(params["lm_head"], input_major=False)
+        params["lm_head"] = _packed(params["lm_head"], input_major=False, dual=dual)
     return packed_config, _state_for(packed_config, params, dtype)
 
 

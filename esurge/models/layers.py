@@ -70,7 +70,8 @@ def serving_linear(config: DecoderConfig, in_features: int, out_features: int, *
     """The projection in the config's layout: packed, input-major (a fused
     projection) or the checkpoint's own [out, in]."""
     if config.packed_weights:
-        return PackedLinear(in_features, out_features, bias=bias, dtype=dtype)
+        return PackedLinear(in_features, out_features, bias=bias, dtype=dtype,
+                            dual=config.dual_layout)
     if fused:
         return InputMajorLinear(in_features, out_features, bias=bias, dtype=dtype)
     return Linear(in_features, out_features, bias=bias, dtype=dtype)
@@ -131,7 +132,7 @@ class MLP(nnx.Module):
             self.up_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
             self.gate_up_proj: AnyLinear | PackedGateUp | None = None
         elif config.fused_gate_activation:
-            self.gate_up_proj = PackedGateUp(h, i, dtype=dtype)
+            self.gate_up_proj = PackedGateUp(h, i, dtype=dtype, dual=config.dual_layout)
             self.gate_proj = self.up_proj = None
         else:
             self.gate_up_proj = serving_linear(config, h, 2 * i, bias=bias, dtype=dtype,

@@ -21,7 +21,7 @@ from flax import nnx
 
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
 from esurge.models.checkpoint import CheckpointSource, open_checkpoint
-from esurge.models.cpu_kernels import kernels_serve
+from esurge.models.cpu_kernels import cpu_has_avx512, kernels_serve
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.families import decoder_config_from_hf
@@ -154,7 +154,8 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
     if fuse:
         config, state = fuse_projections(config, state, jdtype)
     if fuse and (kernels_serve(jdtype) if pack is None else pack):
-        config, state = pack_projections(config, state, jdtype)
+        # Without AVX-512 the panels serve small buckets only (packed_linear.py).
+        config, state = pack_projections(config, state, jdtype, dual=not cpu_has_avx512())
     hf_tokenizer = source.tokenizer()
     jax.block_until_ready(state.params)
     log.info("loaded %s (%s, %s) in %.1fs; peak host memory %.0f MiB", source.path,

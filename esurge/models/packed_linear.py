@@ -15,18 +15,11 @@ weight.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from esurge.models.cpu_kernels import (
-    PANEL,
-    cpu_has_avx512,
-    kernels_serve,
-    packed_matmul_kernel,
-)
+from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
            "packed_matmul", "packed_silu_mul"]
@@ -46,26 +39,23 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
     return padded.reshape(k, -1, PANEL).transpose(1, 0, 2)
 
 
-# Most rows (a bucket's, known when tracing) the kernel takes where the CPU
-# lacks AVX-512: with 16 vector registers its row tiles are 2 rows, and from
-# a few dozen rows XLA's blocked matmul over the same panels wins (measured on
-# a Zen 3: 128 rows of a [576, 3072] weight, 43 ms in the kernel, 9 ms in XLA;
-# at 1 real row of a 16-row bucket the kernel, skipping padding, takes 0.7 ms
-# against XLA's 3 ms for all 16). With AVX-512 the kernel serves every size.
-_AVX2_MAX_ROWS = 16
+# Most rows (a bucket's, known when tracing) the kernel serves when the
+# model also keeps the input-major weight (DecoderConfig.dual_layout, chosen
+# where the CPU lacks AVX-512): there the kernel's row tiles are 2 rows, and
+# from a few dozen rows XLA's matmul on the plain [in, out] weight wins
+# (measured on a Zen 3, SmolLM2: 32 requests decoding, 130 tok/s on the plain
+# weight against 70 on the panels; one request, 19 tok/s through the kernel,
+# which skips the bucket's padding rows, against 8 on the plain weight).
+DUAL_KERNEL_MAX_ROWS = 16
 
 
-@functools.cache
-def _kernel_max_rows() -> int | None:
-    return None if cpu_has_avx512() else _AVX2_MAX_ROWS
+def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
+    return x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)
 
 
-def _kernel_takes(x: jax.Array, packed: jax.Array, serving: bool) -> bool:
-    """serving: the model's own call, which takes XLA past the row limit."""
-    if not (x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)):
-        return False
-    limit = _kernel_max_rows() if serving else None
-    return limit is None or x.shape[0] <= limit
+def _plain_takes(x: jax.Array, plain: nnx.Param[jax.Array] | None) -> bool:
+    """True when a dual-layout module should run this bucket on its plain weight."""
+    return plain is not None and x.shape[0] > DUAL_KERNEL_MAX_ROWS
 
 
 def packed_matmul(
@@ -73,17 +63,13 @@ def packed_matmul(
     packed: jax.Array,  # [P, in, PANEL]
     out_features: int,
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
-    *,
-    serving: bool = False,
 ) -> jax.Array:  # [T, out_features]
     """x @ W for a packed W: the CPU kernel for float32, else XLA.
 
     Rows at or past num_rows are padding: the kernel returns zeros for them
     without computing them; the XLA path computes them like the others.
-    serving: pick the faster of the two for this many rows on this CPU (the
-    kernel only up to _AVX2_MAX_ROWS rows without AVX-512).
     """
-    if _kernel_takes(x, packed, serving):
+    if _kernel_takes(x, packed):
         return packed_matmul_kernel(x, packed, out_features, num_rows)
     y = jnp.einsum("tk,pkn->tpn", x, packed).reshape(x.shape[0], -1)
     return y[:, :out_features]
@@ -104,13 +90,10 @@ def packed_silu_mul(
     packed: jax.Array,  # [P, in, PANEL] from pack_gate_up
     intermediate: int,
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
-    *,
-    serving: bool = False,
 ) -> jax.Array:  # [T, intermediate]
     """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
-    (so the [T, 2I] product is never written); XLA elsewhere. serving: as for
-    packed_matmul."""
-    if _kernel_takes(x, packed, serving):
+    (so the [T, 2I] product is never written); XLA elsewhere."""
+    if _kernel_takes(x, packed):
         return packed_matmul_kernel(x, packed, intermediate, num_rows, silu_mul=True)
     y = jnp.einsum("tk,pkn->tpn", x, packed)
     gate = y[..., :_HALF].reshape(x.shape[0], -1)[:, :intermediate]
@@ -119,28 +102,48 @@ def packed_silu_mul(
 
 
 class PackedGateUp(nnx.Module):
-    """silu(x W_gate) * (x W_up) with both weights packed by pack_gate_up (no biases)."""
+    """silu(x W_gate) * (x W_up) with both weights packed by pack_gate_up (no biases).
 
-    def __init__(self, in_features: int, intermediate: int, *, dtype: jnp.dtype):
+    dual: also keep the fused input-major weight [in, 2I] (`plain`, gate
+    columns first) for buckets past DUAL_KERNEL_MAX_ROWS.
+    """
+
+    def __init__(self, in_features: int, intermediate: int, *, dtype: jnp.dtype,
+                 dual: bool = False):
         self.weight = nnx.Param(jnp.zeros((-(-intermediate // _HALF), in_features, PANEL), dtype))
+        self.plain = (nnx.Param(jnp.zeros((in_features, 2 * intermediate), dtype)) if dual
+                      else None)
         self.intermediate = intermediate
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, intermediate]
-        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows, serving=True)
+        if _plain_takes(x, self.plain):
+            y = x @ self.plain[...]  # type: ignore[index]
+            return jax.nn.silu(y[:, :self.intermediate]) * y[:, self.intermediate:]
+        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows)
 
 
 class PackedLinear(nnx.Module):
-    """y = x W + b with W stored packed, [P, in_features, PANEL]."""
+    """y = x W + b with W stored packed, [P, in_features, PANEL].
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype):
+    dual: also keep W input-major, [in_features, out_features] (`plain`), for
+    buckets past DUAL_KERNEL_MAX_ROWS.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
+                 dual: bool = False):
         self.weight = nnx.Param(jnp.zeros((num_panels(out_features), in_features, PANEL), dtype))
+        self.plain = (nnx.Param(jnp.zeros((in_features, out_features), dtype)) if dual
+                      else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.out_features = out_features
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, out]
-        y = packed_matmul(x, self.weight[...], self.out_features, num_rows, serving=True)
+        if _plain_takes(x, self.plain):
+            y = x @ self.plain[...]  # type: ignore[index]
+        else:
+            y = packed_matmul(x, self.weight[...], self.out_features, num_rows)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
