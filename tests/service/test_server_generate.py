@@ -143,8 +143,8 @@ async def test_engine_stream_interleaves_requests(live_server: Any, client: Any)
         await call.write(_add("es-a", prompts["es-a"], params["es-a"]))
         await call.write(_add("es-b", prompts["es-b"], params["es-b"]))
         # A sampled request beside the greedy ones; ignore_eos so that it ends by length.
-            await call.write(_add("es-c", prompt_ids(7),
-                                  SamplingParams(top_p=0.5, max_tokens=4, ignore_eos=True)))
+        await call.write(_add("es-c", prompt_ids(7),
+                              SamplingParams(top_p=0.5, max_tokens=4, ignore_eos=True)))
         bad = build_request(prompt_ids(7), request_id="es-bad")
         bad.sampling_params.top_p = 1.5
         await call.write(service_pb2.EngineStreamRequest(add_request=bad))
