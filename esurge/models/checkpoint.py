@@ -50,6 +50,10 @@ class CheckpointSource(Protocol):
         """Tokens that end generation, the primary EOS first."""
         ...
 
+    def stored_precision(self, hf_config: Any) -> str:
+        """How the weights are stored: "float32", "bfloat16", ..., or "quantized"."""
+        ...
+
     def read(self, name: str) -> np.ndarray:
         """The parameter `name` (HF naming); MissingTensorError if absent."""
         ...
@@ -102,6 +106,11 @@ class HFDirectorySource:
     """A Hugging Face checkpoint directory: config.json and safetensors shards."""
 
     kind = "safetensors"
+
+    def stored_precision(self, hf_config: Any) -> str:
+        text = getattr(hf_config, "text_config", None) or hf_config
+        stored = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+        return str(stored or "float32").removeprefix("torch.")
 
     def __init__(self, path: Path) -> None:
         if not (path / "config.json").is_file():
@@ -192,6 +201,14 @@ class GGUFSource:
 
     def eos_token_ids(self, hf_config: Any) -> tuple[int, ...]:
         return _unique_ints([*_config_eos(hf_config), *self.gguf.end_of_turn_ids])
+
+    def stored_precision(self, hf_config: Any) -> str:
+        types = set(self.gguf.tensor_types) - {"F32"}
+        if types - {"F16", "BF16"}:
+            return "quantized"
+        if "BF16" in types:
+            return "bfloat16"
+        return "float16" if types else "float32"
 
     def read(self, name: str) -> np.ndarray:
         if self._read is None:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
+from esurge.errors import InvalidConfigError
 from esurge.models.checkpoint import CheckpointSource, open_checkpoint
 from esurge.models.cpu_kernels import cpu_has_avx512, kernels_serve
 from esurge.models.decoder import CausalLM
@@ -96,30 +97,20 @@ def resolve_dtype(requested: str, source: CheckpointSource, hf_config: Any) -> t
     float32, and XLA's CPU bfloat16 matmuls are tens of times slower than them.
     """
     if requested not in ("auto", *LOAD_DTYPES):
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(LOAD_DTYPES)}, "
-                         f"got {requested!r}")
+        raise InvalidConfigError("dtype", f"dtype must be 'auto' or one of "
+                                          f"{sorted(LOAD_DTYPES)}, got {requested!r}")
     if requested != "auto":
         return requested, "asked for"
-    text = getattr(hf_config, "text_config", None) or hf_config
-    stored = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "")
-    stored = stored.removeprefix("torch.")
-    if source.kind == "gguf":
-        stored = "quantized GGUF" if _is_quantized(source) else stored or "float32"
+    stored = source.stored_precision(hf_config)
     backend = jax.default_backend()
     if backend == "cpu":
-        if stored in ("", "float32"):
+        if stored == "float32":
             return "float32", "float32 checkpoint"
         return "float32", (f"{stored} checkpoint upcast: the CPU kernels run float32, "
                            "which is faster here than XLA's CPU bfloat16")
     if stored == "float32":
         return "float32", f"float32 checkpoint on {backend}"
-    return "bfloat16", f"{stored or 'half-precision'} checkpoint on {backend}"
-
-
-def _is_quantized(source: CheckpointSource) -> bool:
-    gguf = getattr(source, "gguf", None)
-    types = gguf.tensor_types if gguf is not None else {}
-    return any(kind not in ("F32", "F16", "BF16") for kind in types)
+    return "bfloat16", f"{stored} checkpoint on {backend}"
 
 
 def _peak_rss_mib() -> float:

@@ -122,6 +122,17 @@ def test_config_and_weights_come_from_the_file(tmp_path: Path) -> None:
     np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.parametrize(("qtype", "stored"), [(Q.Q8_0, "quantized"), (Q.F16, "float16"),
+                                               (Q.F32, "float32")])
+def test_auto_dtype_on_cpu_is_float32_and_says_why(qtype: Q, stored: str,
+                                                   tmp_path: Path) -> None:
+    loaded = load_model(_write(tmp_path, "llama", qtype), fuse=False)
+    assert loaded.dtype == "float32"
+    assert loaded.dtype_reason.startswith(f"{stored} checkpoint")
+    assert ("upcast" in loaded.dtype_reason) == (stored != "float32")
+    assert load_model(tmp_path / "llama.gguf", "bfloat16", fuse=False).dtype == "bfloat16"
+
+
 def _one_tensor_file(path: Path, arch: str, name: str, data: np.ndarray,
                      raw_dtype: Q | None = None) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)

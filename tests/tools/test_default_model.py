@@ -121,3 +121,9 @@ def test_heldout_perplexity_is_low(hf_model: Any, tokenizer: Tokenizer) -> None:
         logits = hf_model(torch.tensor([ids[:-1]])).logits[0]
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item()
     assert math.exp(nll) < 300
+
+
+def test_auto_dtype_upcasts_the_bfloat16_checkpoint_on_cpu() -> None:
+    loaded = load_model(MODEL_DIR, fuse=False)
+    assert loaded.dtype == "float32"
+    assert loaded.dtype_reason.startswith("bfloat16 checkpoint upcast")
