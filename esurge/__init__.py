@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from esurge.sampling_params import SamplingParams
+from esurge.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from esurge.engine.api import eSurge
@@ -21,6 +22,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsParams",
     "eSurge",
 ]
 __version__ = "0.1.0"

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from esurge.engine_types import EngineCoreEvent, EngineCoreEventType, FinishReason
 from esurge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from esurge.structured_output.compiler import CompiledGrammar
 
 __all__ = ["EngineRequest", "EngineRequestStatus"]
 
@@ -51,7 +55,8 @@ class EngineRequest:
     num_cached_tokens is the prefix-cache hit length found when the request was
     first scheduled (None before that). spec_token_ids are draft tokens waiting
     to be verified; num_output_placeholders counts tokens scheduled with async
-    scheduling whose values are not known yet.
+    scheduling whose values are not known yet. grammar is the compiled
+    constraint of a request with structured_outputs (the runner follows it).
     """
 
     request_id: str
@@ -71,6 +76,7 @@ class EngineRequest:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_output_placeholders: int = 0
+    grammar: CompiledGrammar | None = None
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

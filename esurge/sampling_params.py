@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from esurge.errors import InvalidRequestError, RequestField
+from esurge.structured_output.params import StructuredOutputsParams
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
@@ -61,6 +62,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Constrain the output to a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     # Token-id sequences for `bad_words`, filled in by the engine's tokenizer.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
@@ -68,6 +71,23 @@ class SamplingParams:
         self._normalize_sequences()
         self._check_numbers()
         self._check_tokens()
+        self._check_structured()
+
+    def _check_structured(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as exc:
+                _fail("structured_outputs", so, f"StructuredOutputsParams fields ({exc})")
+            object.__setattr__(self, "structured_outputs", so)
+        if not isinstance(so, StructuredOutputsParams):
+            _fail("structured_outputs", so, "None or a StructuredOutputsParams")
+        if self.ignore_eos:
+            _fail("ignore_eos", self.ignore_eos,
+                  "False with structured_outputs (the output ends where the grammar does)")
 
     def _normalize_sequences(self) -> None:
         stop = self.stop
@@ -163,8 +183,9 @@ class SamplingParams:
     def stateless_sampling(self) -> bool:
         """True when each token is a function of the logits, the seed and its
         output position alone (no penalties, masks or min_tokens) and nothing
-        else is asked per token (no logprobs): a decode burst may run it."""
-        return not self.uses_token_state and self.logprobs is None
+        else is asked per token (no logprobs, no grammar): a decode burst may run it."""
+        return (not self.uses_token_state and self.logprobs is None
+                and self.structured_outputs is None)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """InvalidRequestError when a token id named here is outside the vocabulary."""

@@ -15,6 +15,7 @@ Logprobs travel as 32-bit floats, so they come back rounded to float32.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from esurge.engine_types import (
 from esurge.errors import InvalidRequestError
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
+from esurge.structured_output.params import StructuredOutputsParams
 from generated.esurge.v1 import engine_pb2, sampling_pb2
 from service.config_convert import config_from_proto, config_to_proto
 from service.errors import (
@@ -43,7 +45,8 @@ __all__ = [
     "SAMPLING_FIELDS", "GenerationRequest", "config_from_proto", "config_to_proto",
     "engine_request_from_proto", "engine_request_to_proto", "event_to_proto",
     "finish_reason_to_proto", "prompt_logprobs_to_proto", "sampling_params_from_proto",
-    "sampling_params_to_proto", "set_stop_reason", "token_logprobs_to_proto",
+    "sampling_params_to_proto", "set_stop_reason", "structured_outputs_from_proto",
+    "structured_outputs_to_proto", "token_logprobs_to_proto",
 ]
 
 # Optional proto fields passed to SamplingParams only when present, so that an
@@ -106,11 +109,54 @@ def sampling_params_from_proto(
     elif msg.max_tokens_unbounded:
         kwargs["max_tokens"] = None
     try:
+        if msg.HasField("structured_outputs"):
+            kwargs["structured_outputs"] = structured_outputs_from_proto(
+                msg.structured_outputs, join_field_path(field_prefix, "structured_outputs"))
         return SamplingParams(**kwargs)
     except InvalidRequestError as err:
         name = sampling_field_name(err)
         field = join_field_path(field_prefix, name) if name is not None else field_prefix
         raise InvalidFieldError([FieldViolation(field, str(err))]) from err
+
+
+def structured_outputs_from_proto(msg: sampling_pb2.StructuredOutputs, field: str
+                                  ) -> StructuredOutputsParams:
+    """The engine constraint of a StructuredOutputs message (InvalidRequestError if bad)."""
+    unknown = unknown_field_numbers(msg)
+    if unknown:
+        raise InvalidFieldError([FieldViolation(
+            field, f"StructuredOutputs has fields this server does not know: numbers {unknown}")])
+    kind = msg.WhichOneof("kind")
+    if kind == "json_object" and not msg.json_object:
+        raise InvalidFieldError([FieldViolation(
+            join_field_path(field, "json_object"), "json_object must be true when set")])
+    value: Any = None if kind is None else getattr(msg, kind)
+    if kind == "choice":
+        value = tuple(msg.choice.choices)
+    constraint = {} if kind is None else {kind: value}
+    return StructuredOutputsParams(
+        **constraint, disable_any_whitespace=msg.disable_any_whitespace,
+        disable_additional_properties=msg.disable_additional_properties,
+        whitespace_pattern=(msg.whitespace_pattern if msg.HasField("whitespace_pattern")
+                            else None))
+
+
+def structured_outputs_to_proto(params: StructuredOutputsParams
+                                ) -> sampling_pb2.StructuredOutputs:
+    """The proto form of an engine constraint (a schema as JSON text)."""
+    msg = sampling_pb2.StructuredOutputs(
+        disable_any_whitespace=params.disable_any_whitespace,
+        disable_additional_properties=params.disable_additional_properties)
+    if params.whitespace_pattern is not None:
+        msg.whitespace_pattern = params.whitespace_pattern
+    kind = params.kind
+    if kind == "json":
+        msg.json = json.dumps(params.schema())
+    elif kind == "choice":
+        msg.choice.choices.extend(params.choice or ())
+    else:
+        setattr(msg, kind, getattr(params, kind))
+    return msg
 
 
 def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
@@ -130,6 +176,8 @@ def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingPar
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured_outputs is not None:
+        msg.structured_outputs.CopyFrom(structured_outputs_to_proto(params.structured_outputs))
     return msg
 
 

@@ -7,6 +7,7 @@ it into the proto field path of the `EngineRequest` the client sent.
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 from esurge.errors import InvalidRequestError, RequestField
@@ -38,7 +39,8 @@ def sampling_field_name(error: InvalidRequestError) -> str | None:
     if not error.field.startswith(_SAMPLING_PREFIX):
         return None
     name = error.field[len(_SAMPLING_PREFIX):]
-    return name if name.split("[", 1)[0] in SAMPLING_FIELDS else None
+    # `logit_bias[5]`, `structured_outputs.json`: the option is the leading name.
+    return name if re.split(r"[.\[]", name, maxsplit=1)[0] in SAMPLING_FIELDS else None
 
 
 def engine_field_path(error: InvalidRequestError, prompt_field: str) -> str:

@@ -6,6 +6,7 @@ import importlib.metadata
 from typing import TYPE_CHECKING
 
 from esurge.sampling_params import MAX_LOGPROBS
+from esurge.structured_output.params import CONSTRAINT_KINDS
 from generated.esurge.v1 import service_pb2
 from service.convert import SAMPLING_FIELDS, config_to_proto
 
@@ -19,7 +20,7 @@ API_VERSION = "esurge.v1"
 # Samples per request the server accepts; more would let one call fill the batch.
 MAX_N = 16
 _LIBRARIES = ("esurge-grpc", "jax", "jaxlib", "flax", "grpcio", "protobuf", "tokenizers",
-              "numpy", "transformers")
+              "llguidance", "numpy", "transformers")
 
 
 def _version(distribution: str) -> str | None:
@@ -61,6 +62,10 @@ def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
             has_tokenizer=engine.tokenizer is not None,
             max_n=MAX_N,
             has_chat_template=engine.chat_template is not None,
+            structured_output_kinds=(list(CONSTRAINT_KINDS) if engine.grammars.available
+                                     else []),
+            structured_output_backend=(f"llguidance {_version('llguidance')}"
+                                       if engine.grammars.available else ""),
         ),
         dtype=model.dtype,
         checkpoint_format=model.source_kind,

@@ -11,7 +11,7 @@ goes on, like any other bad request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from google.rpc import code_pb2, status_pb2
 from generated.esurge.v1 import service_pb2
 from service.errors import FieldViolation, abort_with_status, invalid_argument, join_field_path
 
-__all__ = ["Undecodable", "engine_service_handler", "undecodable_status",
+__all__ = ["Undecodable", "engine_service_handler", "oneof_conflict", "undecodable_status",
            "unknown_field_numbers"]
 
 _SERVICE = service_pb2.DESCRIPTOR.services_by_name["EngineService"]
@@ -62,11 +62,9 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def bad_utf8_field(data: bytes, descriptor: Any, prefix: str = "") -> str | None:
-    """The path of the first string field holding invalid UTF-8, or None.
-
-    `descriptor` is the message's `google.protobuf.descriptor.Descriptor`.
-    """
+def _fields(data: bytes) -> Iterator[tuple[int, bytes | None]]:
+    """(field number, payload of a length-delimited field or None) of each field
+    on the wire; stops quietly at a truncated or group-encoded field."""
     pos = 0
     try:
         while pos < len(data):
@@ -74,45 +72,82 @@ def bad_utf8_field(data: bytes, descriptor: Any, prefix: str = "") -> str | None
             wire_type = tag & 7
             if wire_type == 0:
                 _, pos = _varint(data, pos)
+                yield tag >> 3, None
             elif wire_type in (1, 5):
                 pos += 8 if wire_type == 1 else 4
+                yield tag >> 3, None
             elif wire_type == 2:
                 length, pos = _varint(data, pos)
-                found = _check_chunk(data[pos:pos + length], descriptor, tag >> 3, prefix)
-                if found is not None:
-                    return found
+                yield tag >> 3, data[pos:pos + length]
                 pos += length
             else:
-                return None  # groups: not used by this API
+                return  # groups: not used by this API
     except IndexError:
-        return None
+        return
+
+
+def bad_utf8_field(data: bytes, descriptor: Any, prefix: str = "") -> str | None:
+    """The path of the first string field holding invalid UTF-8, or None.
+
+    `descriptor` is the message's `google.protobuf.descriptor.Descriptor`.
+    """
+    for number, chunk in _fields(data):
+        field = descriptor.fields_by_number.get(number)
+        if field is None or chunk is None:
+            continue
+        path = join_field_path(prefix, field.name)
+        if field.type == FieldDescriptor.TYPE_STRING:
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError:
+                return path
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            found = bad_utf8_field(chunk, field.message_type, path)
+            if found is not None:
+                return found
     return None
 
 
-def _check_chunk(chunk: bytes, descriptor: Any, number: int, prefix: str) -> str | None:
-    field = descriptor.fields_by_number.get(number)
-    if field is None:
+def oneof_conflict(data: bytes, descriptor: Any, prefix: str = "") -> str | None:
+    """The path of a field sent beside another member of its oneof, or None.
+
+    The parser keeps the last member and drops the others without a word;
+    a request that sets two (two prompts, two output constraints) is
+    ambiguous and must be refused instead.
+    """
+    if not any(f.containing_oneof is not None or f.type == FieldDescriptor.TYPE_MESSAGE
+               for f in descriptor.fields):
         return None
-    path = join_field_path(prefix, field.name)
-    if field.type == FieldDescriptor.TYPE_STRING:
-        try:
-            chunk.decode("utf-8")
-        except UnicodeDecodeError:
+    chosen: dict[str, str] = {}
+    for number, chunk in _fields(data):
+        field = descriptor.fields_by_number.get(number)
+        if field is None:
+            continue
+        path = join_field_path(prefix, field.name)
+        oneof = field.containing_oneof
+        if oneof is not None and chosen.setdefault(oneof.name, field.name) != field.name:
             return path
-        return None
-    if field.type == FieldDescriptor.TYPE_MESSAGE:
-        return bad_utf8_field(chunk, field.message_type, path)
+        if field.type == FieldDescriptor.TYPE_MESSAGE and chunk is not None and (
+                not field.is_repeated):
+            found = oneof_conflict(chunk, field.message_type, path)
+            if found is not None:
+                return found
     return None
 
 
 def _deserializer(cls: type[message.Message]) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
-            return cls.FromString(data)
+            parsed = cls.FromString(data)
         except message.DecodeError as err:
             field = bad_utf8_field(data, cls.DESCRIPTOR)
             return Undecodable(field or "", "invalid UTF-8 in a string field" if field
                                else str(err))
+        conflict = oneof_conflict(data, cls.DESCRIPTOR)
+        if conflict is not None:
+            return Undecodable(conflict, f"{conflict.rsplit('.', 1)[-1]} was sent beside "
+                                         "another field of the same oneof; set one only")
+        return parsed
     return parse
 
 

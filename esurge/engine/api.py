@@ -31,6 +31,7 @@ from esurge.packaged import resolve_model_path
 from esurge.runner.runner import eSurgeRunner
 from esurge.sampling_params import SamplingParams
 from esurge.scheduler.scheduler import Scheduler
+from esurge.structured_output.engine import StructuredOutputs
 
 __all__ = ["default_config", "eSurge"]
 
@@ -131,6 +132,8 @@ class eSurge:
         self._check_config(self.config)
         self.tokenizer, self.chat_template = _load_tokenizer(
             self.model, Path(tokenizer_dir) if tokenizer_dir else None)
+        self.grammars = StructuredOutputs(self.tokenizer, self.model.vocab_size,
+                                          self.model.eos_token_ids)
         self.runner = eSurgeRunner(self.model, _effective_config(self.config),
                                    memory_fraction=memory_fraction,
                                    min_token_bucket=min_token_bucket, decode_steps=decode_steps)
@@ -206,10 +209,11 @@ class eSurge:
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         eos = self.inputs.eos_token_id
+        grammar = self.grammars.compile(prepared.params.structured_outputs)
         future = self._loop.submit(rid, prepared.prompt, prepared.prompt_token_ids,
                                    prepared.params,
                                    lambda ids: prepared.engine_requests(ids, eos), callback,
-                                   final_only)
+                                   final_only, grammar, self.grammars.timeout)
         return rid, future
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
@@ -290,6 +294,7 @@ class eSurge:
     def shutdown(self) -> None:
         """Stop the engine thread."""
         self._loop.shutdown()
+        self.grammars.shutdown()
 
     def __enter__(self) -> eSurge:
         return self

@@ -16,7 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from esurge.engine.core import EngineCore
 from esurge.engine.output_processor import OutputProcessor
@@ -25,6 +26,9 @@ from esurge.engine.stats import EngineStats, StatsRecorder
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from esurge.structured_output.compiler import CompiledGrammar
 
 __all__ = ["EngineDeadError", "EngineLoop", "OutputCallback"]
 
@@ -50,11 +54,20 @@ class _Submit:
     callback: OutputCallback
     accepted: Future[None]
     final_only: bool = False
+    # The output constraint being compiled; the request waits (parked, not in
+    # the scheduler) until it is ready or its deadline passes.
+    grammar: Future[CompiledGrammar] | None = None
+    deadline: float = field(default=0.0)
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _GrammarReady:
+    cmd: _Submit
 
 
 class EngineLoop:
@@ -67,7 +80,10 @@ class EngineLoop:
         self._recorder = recorder
         # Replaced (never mutated) by the loop thread: any thread may read it.
         self.stats: EngineStats = recorder.read()
-        self._commands: queue.SimpleQueue[_Submit | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Submit | _Abort | _GrammarReady | None] = (
+            queue.SimpleQueue())
+        # Requests waiting for their grammar, by id (loop thread only).
+        self._parked: dict[str, _Submit] = {}
         self._callbacks: dict[str, OutputCallback] = {}
         self._final_only: set[str] = set()  # requests whose callback wants the last output only
         self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
@@ -90,18 +106,24 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                params: SamplingParams, make_requests: Callable[[list[str]], list[EngineRequest]],
-               callback: OutputCallback, final_only: bool = False) -> Future[None]:
+               callback: OutputCallback, final_only: bool = False,
+               grammar: Future[CompiledGrammar] | None = None,
+               grammar_timeout: float = 30.0) -> Future[None]:
         """Queue a request. The future resolves once the scheduler accepted it,
         or fails with the scheduler's ValueError. make_requests builds the
         engine requests for the given sample ids (on the loop thread).
         The callback gets a RequestDelta per step, or with final_only the
-        finished RequestOutput only."""
+        finished RequestOutput only. A request with a grammar still compiling
+        is accepted once it compiled; a compile error, or no grammar after
+        grammar_timeout seconds, fails the future with an InvalidRequestError."""
         accepted: Future[None] = Future()
         if not self.alive:
             accepted.set_exception(EngineDeadError("the engine is not running"))
             return accepted
+        deadline = time.monotonic() + grammar_timeout
         self._commands.put(_Submit(request_id, prompt, prompt_token_ids, params,
-                                   make_requests, callback, accepted, final_only))
+                                   make_requests, callback, accepted, final_only, grammar,
+                                   deadline))
         return accepted
 
     def abort(self, request_id: str) -> None:
@@ -134,34 +156,71 @@ class EngineLoop:
 
     def _drain_commands(self, block: bool) -> bool:
         while True:
+            timeout = None
+            if block and self._parked:  # wake for the first grammar deadline
+                timeout = max(0.0, min(c.deadline for c in self._parked.values())
+                              - time.monotonic())
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
+                self._expire_parked()
                 return True
             block = False
             if command is None:
                 return False
             if isinstance(command, _Abort):
                 self._abort(command.request_id)
+            elif isinstance(command, _GrammarReady):
+                if self._parked.pop(command.cmd.request_id, None) is command.cmd:
+                    self._add(command.cmd)
             else:
                 self._add(command)
 
+    def _park(self, cmd: _Submit, grammar: Future[CompiledGrammar]) -> None:
+        self._parked[cmd.request_id] = cmd
+        grammar.add_done_callback(lambda _: self._commands.put(_GrammarReady(cmd)))
+
+    def _expire_parked(self) -> None:
+        now = time.monotonic()
+        for rid, cmd in list(self._parked.items()):
+            params = cmd.params.structured_outputs
+            if cmd.deadline <= now and params is not None:
+                del self._parked[rid]
+                if cmd.accepted.set_running_or_notify_cancel():
+                    cmd.accepted.set_exception(InvalidRequestError(
+                        params.field, f"the {params.kind} constraint did not compile in time"))
+
+    def _grammar_of(self, cmd: _Submit) -> CompiledGrammar | None:
+        """The compiled grammar (None: unconstrained); raises its compile error."""
+        return None if cmd.grammar is None else cmd.grammar.result()
+
     def _add(self, cmd: _Submit) -> None:
+        if cmd.request_id in self._parked or self.processor.has_request(cmd.request_id):
+            if cmd.accepted.set_running_or_notify_cancel():
+                cmd.accepted.set_exception(InvalidRequestError(
+                    RequestField.REQUEST_ID,
+                    f"request_id {cmd.request_id!r} is already in flight"))
+            return
+        if cmd.grammar is not None and not cmd.grammar.done():
+            self._park(cmd, cmd.grammar)
+            return
         # A caller that gave up before the loop got here (its future was
         # cancelled) will read nothing: the request must not run. Once the
         # future is running it can no longer be cancelled, so resolving it
         # below cannot fail whatever the caller does meanwhile.
         if not cmd.accepted.set_running_or_notify_cancel():
             return
-        if self.processor.has_request(cmd.request_id):
-            cmd.accepted.set_exception(InvalidRequestError(
-                RequestField.REQUEST_ID, f"request_id {cmd.request_id!r} is already in flight"))
+        try:
+            grammar = self._grammar_of(cmd)
+        except Exception as exc:
+            cmd.accepted.set_exception(exc)
             return
         child_ids = self.processor.add_request(cmd.request_id, cmd.prompt, cmd.prompt_token_ids,
                                                cmd.params)
         added: list[str] = []
         try:
             for request in cmd.make_requests(child_ids):
+                request.grammar = grammar
                 self.core.add_request(request)
                 added.append(request.request_id)
         except Exception as exc:
@@ -179,6 +238,10 @@ class EngineLoop:
         cmd.accepted.set_result(None)
 
     def _abort(self, request_id: str) -> None:
+        parked = self._parked.pop(request_id, None)
+        if parked is not None:
+            parked.accepted.cancel()
+            return
         child_ids = self.processor.abort(request_id)
         if child_ids:
             self.core.abort_requests(child_ids)
@@ -228,6 +291,10 @@ class EngineLoop:
         for request_id, callback in callbacks.items():
             self.processor.abort(request_id)
             self._deliver(callback, error)
+        parked, self._parked = list(self._parked.values()), {}
+        for cmd in parked:
+            if cmd.accepted.set_running_or_notify_cancel():
+                cmd.accepted.set_exception(error)
         while True:
             try:
                 command = self._commands.get_nowait()

@@ -10,6 +10,7 @@ sampler output.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,8 +38,9 @@ from esurge.runner.spec_decoder import SpecDecoder, SpecStep
 from esurge.runner.step_inputs import StepInputs, build_step_inputs
 from esurge.runner.warmup import warm_up
 from esurge.scheduler.decode_burst import check_decode_steps
-from esurge.scheduler.output import SchedulerOutput
+from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.spec_decode.stats import SpecStatsSnapshot
+from esurge.structured_output.batch import GrammarBatch
 
 __all__ = ["WarmupProgress", "eSurgeRunner"]
 
@@ -61,6 +63,16 @@ class _Pending:
     # Logprobs wanted per scheduled request, read at dispatch: by collect the
     # next step's batch update may have compacted the rows (async scheduling).
     num_logprobs: np.ndarray | None = None
+    # The grammar matchers have seen this step's tokens (read early when the
+    # next step's masks needed them).
+    grammar_seen: bool = False
+
+
+def _stop_ids(new: NewRequestData) -> tuple[int, ...]:
+    """The tokens that end a request (and that its grammar allows where it accepts)."""
+    params = new.sampling_params
+    eos = () if new.eos_token_id is None or params.ignore_eos else (new.eos_token_id,)
+    return tuple(params.stop_token_ids) + eos
 
 
 def _available_host_bytes() -> int:
@@ -112,6 +124,9 @@ class eSurgeRunner:
         self._prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
         self._prev_index: dict[str, int] = {}
         self._prompt_logprobs = PromptLogprobsComputer(model.model_state)
+        self.grammars = GrammarBatch(model.vocab_size)
+        self._all_allowed: dict[int, np.ndarray] = {}
+        self._last_pending: _Pending | None = None
         self.spec: SpecDecoder | None = None
         if self.num_spec and config.speculative_config is not None:
             if sched.async_scheduling:
@@ -164,8 +179,9 @@ class eSurgeRunner:
                                        inputs.sample_positions, variant)
 
         if self.spec is not None:
+            spec_tensors = dataclasses.replace(tensors(), allowed=self._spec_masks(inputs))
             hidden, self.kv_cache, spec_step = self.spec.run(
-                self.model.model_state, self.kv_cache, ib, inputs, tensors(), variant)
+                self.model.model_state, self.kv_cache, ib, inputs, spec_tensors, variant)
             plp = self._prompt_logprobs.compute(ib, inputs, hidden)
             return _Pending(inputs, None, plp, spec=spec_step)
         flat, layout = pack_inputs(inputs.batch, inputs.prev_index, inputs.burst_slots)
@@ -180,20 +196,63 @@ class eSurgeRunner:
             return _Pending(inputs, SamplerOutput(token_ids=tokens), {})
         logits, hidden, self.kv_cache, greedy = model_step(
             self.model.model_state, self.kv_cache, flat, self._prev_tokens, layout)
-        if variant == _PLAIN_GREEDY:  # the model step's argmax is the sample
+        constrained = self.grammars.any_in(inputs.req_ids)
+        if variant == _PLAIN_GREEDY and not constrained:  # the model step's argmax is the sample
             sampled, self._prev_tokens = SamplerOutput(token_ids=greedy), greedy
         else:
-            sampled, self._prev_tokens = sample_step(logits, tensors(), variant, self.max_rows)
+            # The model step is queued: the masks are built while it runs.
+            masked = dataclasses.replace(tensors(), allowed=self._step_masks(inputs, constrained))
+            sampled, self._prev_tokens = sample_step(logits, masked, variant, self.max_rows)
         self._prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
         plp = self._prompt_logprobs.compute(ib, inputs, hidden)
         wanted = ib.sampling.num_logprobs[inputs.rows].copy() if variant.logprobs else None
-        return _Pending(inputs, sampled, plp, num_logprobs=wanted)
+        self._last_pending = _Pending(inputs, sampled, plp, num_logprobs=wanted)
+        return self._last_pending
+
+    def all_allowed(self, rows: int) -> np.ndarray:
+        """[rows, words] int32 masks allowing every token (shared, read-only)."""
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            mask = np.full((rows, self.grammars.words), -1, np.int32)
+            mask.flags.writeable = False
+            self._all_allowed[rows] = mask
+        return mask
+
+    def _step_masks(self, inputs: StepInputs, constrained: bool) -> np.ndarray:
+        if not constrained:
+            return self.all_allowed(inputs.num_reqs_bucket)
+        # With async scheduling the previous step's tokens are still on the
+        # device; this step's masks depend on them.
+        if self._last_pending is not None:
+            self._observe_grammar(self._last_pending)
+        return self.grammars.masks(inputs.req_ids, inputs.samples, inputs.num_reqs_bucket)
+
+    def _spec_masks(self, inputs: StepInputs) -> np.ndarray:
+        rows = inputs.num_reqs_bucket * (1 + self.num_spec)
+        if self.spec is None or not self.grammars.any_in(inputs.req_ids):
+            return self.all_allowed(rows)
+        drafts, num_drafts, _ = self.spec.scheduled_drafts(self.input_batch, inputs)
+        return self.grammars.draft_masks(inputs.req_ids, inputs.samples, drafts, num_drafts)
+
+    def _observe_grammar(self, pending: _Pending) -> None:
+        """Feed a plain step's sampled tokens to the matchers of its constrained requests."""
+        inputs, sampled = pending.inputs, pending.sampled
+        if pending.grammar_seen or inputs is None or sampled is None:
+            return
+        pending.grammar_seen = True
+        if inputs.num_steps > 1 or not self.grammars.any_in(inputs.req_ids):
+            return
+        tokens = np.asarray(sampled.token_ids)
+        for i, req_id in enumerate(inputs.req_ids):
+            if inputs.samples[i]:
+                self.grammars.advance(req_id, int(inputs.sample_positions[i]), [int(tokens[i])])
 
     def _update_batch(self, so: SchedulerOutput) -> None:
         ib = self.input_batch
         gone = so.finished_req_ids | so.preempted_req_ids
         gone.update(new.req_id for new in so.scheduled_new_reqs if new.req_id in ib.row_of)
         ib.remove(gone)
+        self.grammars.remove(gone)
         if self.spec is not None:
             self.spec.release(gone)
         cached = so.scheduled_cached_reqs
@@ -205,6 +264,9 @@ class eSurgeRunner:
             ib.num_computed[row] = cached.num_computed_tokens[i]
         for new in so.scheduled_new_reqs:
             ib.add(new)
+            if new.grammar is not None:
+                self.grammars.add(new.req_id, new.grammar, _stop_ids(new),
+                                  new.output_token_ids)
 
     def collect(self, pending: _Pending) -> ModelRunnerOutput:
         """Wait for a dispatched step; record and return its sampled tokens."""
@@ -213,6 +275,9 @@ class eSurgeRunner:
             return self._collect_spec(inputs, pending.spec, pending.prompt_logprobs)
         if inputs is None or sampled is None:
             return ModelRunnerOutput.empty()
+        self._observe_grammar(pending)
+        if self._last_pending is pending:
+            self._last_pending = None
         tokens = np.asarray(sampled.token_ids)
         n = len(inputs.req_ids)
         if inputs.num_steps > 1:  # [K, R]: every request samples each iteration
@@ -237,6 +302,9 @@ class eSurgeRunner:
             raise ValueError("a speculative step was collected by a runner without speculation")
         ib = self.input_batch
         emitted, proposals = self.spec.finish(ib, inputs, step)
+        for i, req_id in enumerate(inputs.req_ids):
+            if emitted[i]:
+                self.grammars.advance(req_id, int(inputs.sample_positions[i]), emitted[i])
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},

@@ -4,8 +4,10 @@ One pure function, jitted per (row bucket, `SamplerVariant`). The variant is
 static and derived from the batch, so a batch of greedy requests pays for an
 argmax and nothing else, and options nobody asked for cost nothing.
 
-Processing order (as in vLLM): penalties and the dense additive mask (logit
-bias, allowed tokens, bad words, min_tokens) on the raw logits; greedy rows
+Processing order (as in vLLM): a grammar's token mask (structured output)
+first, on the raw logits, so logprobs report the masked distribution; then
+penalties and the dense additive mask (logit bias, allowed tokens, bad
+words, min_tokens); greedy rows
 take the argmax of that; sampled rows divide by temperature, apply min-p,
 top-k and top-p, and draw with the Gumbel-max trick from a key derived only
 from the request's seed and output position, so a seeded request samples the
@@ -25,7 +27,8 @@ from esurge.sampling_params import MAX_LOGPROBS
 
 __all__ = [
     "MAX_LOGPROBS", "SamplerOutput", "SamplerVariant", "SamplingTensors", "apply_dense",
-    "apply_filters", "gumbel_noise", "sample", "token_logprobs", "uniform_noise",
+    "apply_filters", "apply_grammar", "gumbel_noise", "process", "sample", "token_logprobs",
+    "uniform_noise",
 ]
 
 _NEG_INF = -jnp.inf
@@ -62,6 +65,10 @@ class SamplingTensors:
     presence_penalty: Array | None = None  # [R] float32
     frequency_penalty: Array | None = None  # [R] float32
     repetition_penalty: Array | None = None  # [R] float32
+    # Packed grammar masks (bit t of word t // 32: token t allowed); every bit
+    # set for unconstrained rows. Always given to sample_step (one program
+    # per variant whether or not a row is constrained), never to a burst.
+    allowed: Array | None = None  # [R, ceil(V / 32)] int32
 
 
 @struct.dataclass
@@ -87,6 +94,31 @@ def apply_dense(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     logits = logits - t.frequency_penalty[:, None] * counts
     logits = logits - t.presence_penalty[:, None] * (counts > 0).astype(logits.dtype)
     return logits + t.additive
+
+
+def apply_grammar(logits: jax.Array,  # [R, V]
+                  allowed: Array,  # [R, ceil(V / 32)] int32, packed
+                  ) -> jax.Array:
+    """Disallowed tokens to -inf."""
+    cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    words = jnp.take(jnp.asarray(allowed, jnp.int32), cols >> 5, axis=1)  # [R, V]
+    return jnp.where(((words >> (cols & 31)) & 1) == 1, logits, _NEG_INF)
+
+
+def process(raw: jax.Array,  # [R, V] float32
+            tensors: SamplingTensors, variant: SamplerVariant) -> tuple[jax.Array, jax.Array]:
+    """(masked raw logits, processed logits): the grammar mask, then penalties and
+    the dense mask. A row the dense mask would leave without any token (a
+    grammar and an allow-list that do not meet) keeps the grammar's choice."""
+    if tensors.allowed is not None:
+        raw = apply_grammar(raw, tensors.allowed)
+    if not variant.dense:
+        return raw, raw
+    processed = apply_dense(raw, tensors)
+    if tensors.allowed is not None:
+        empty = jnp.all(processed == _NEG_INF, axis=-1, keepdims=True)
+        processed = jnp.where(empty, raw, processed)
+    return raw, processed
 
 
 def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -152,8 +184,7 @@ def token_logprobs(raw: jax.Array, tokens: jax.Array, top_n: int = MAX_LOGPROBS
 
 def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
     """Pick one token per row.  logits: [R, V] -> SamplerOutput with token_ids [R]."""
-    raw = logits.astype(jnp.float32)
-    processed = apply_dense(raw, tensors) if variant.dense else raw
+    raw, processed = process(logits.astype(jnp.float32), tensors, variant)
     greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if variant.all_greedy:
         tokens = greedy_tokens

@@ -131,7 +131,7 @@ class SpecDecoder:
         logits, hidden, features, kv_cache = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers)
         r_bucket = inputs.num_reqs_bucket
-        drafts, num_drafts, prob_slots = self._scheduled_drafts(ib, inputs)
+        drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
                               variant, self.draft_vocab)
         draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
@@ -150,8 +150,9 @@ class SpecDecoder:
             self.prob_buffer = store_draft_probs(self.prob_buffer, slots, probs)
         return hidden, kv_cache, SpecStep(verified, new_drafts, eligible)
 
-    def _scheduled_drafts(self, ib: InputBatch, inputs: StepInputs
-                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def scheduled_drafts(self, ib: InputBatch, inputs: StepInputs
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(drafts [R, k], their counts [R], draft-probability slots [R]) to verify."""
         r_bucket, k = inputs.num_reqs_bucket, self.num_spec
         drafts = np.zeros((r_bucket, k), np.int32)
         num_drafts = np.zeros(r_bucket, np.int32)

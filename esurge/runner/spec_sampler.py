@@ -16,6 +16,7 @@ their own stream, so no random number is ever used twice.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -26,9 +27,9 @@ from flax import struct
 from esurge.runner.sampler import (
     SamplerVariant,
     SamplingTensors,
-    apply_dense,
     apply_filters,
     gumbel_noise,
+    process,
     token_logprobs,
     uniform_noise,
 )
@@ -59,10 +60,12 @@ def _salted(seeds: jax.Array | np.ndarray, salt: int) -> jax.Array:  # [R, 2] ui
 
 
 def _per_row(tensors: SamplingTensors, s: int) -> SamplingTensors:
-    """Each request's tensors repeated for its s rows; positions advance by row."""
+    """Each request's tensors repeated for its s rows; positions advance by row.
+    The grammar masks already come one per row."""
     positions = jnp.asarray(tensors.positions)[:, None] + jnp.arange(s)[None, :]
-    rows = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), s, axis=0), tensors)
-    return rows.replace(positions=positions.reshape(-1))
+    rows = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), s, axis=0),
+                        dataclasses.replace(tensors, allowed=None))
+    return rows.replace(positions=positions.reshape(-1), allowed=tensors.allowed)
 
 
 def _draft_noise(tensors: SamplingTensors, k: int, draft_vocab: int) -> jax.Array:
@@ -92,7 +95,7 @@ def _sampled(processed: jax.Array, rows: SamplingTensors, greedy: jax.Array,
 
 def verify(
     logits: jax.Array,  # [R * S, V]: S = 1 + k rows per request
-    tensors: SamplingTensors,  # per request, padded to R
+    tensors: SamplingTensors,  # per request, padded to R; allowed: [R * S, W], per row
     drafts: jax.Array,  # [R, k] int32
     num_drafts: jax.Array,  # [R] int32
     draft_probs: jax.Array,  # [M, k, V] float32: stored draft distributions
@@ -104,8 +107,7 @@ def verify(
     r, k = drafts.shape
     s = k + 1
     rows = _per_row(tensors, s)
-    raw = logits.astype(jnp.float32)
-    processed = apply_dense(raw, rows) if variant.dense else raw
+    raw, processed = process(logits.astype(jnp.float32), rows, variant)
     greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     tokens, num_out = accept_greedy(greedy.reshape(r, s), drafts, num_drafts)
     noise = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -78,8 +79,10 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
     state = runner.model.model_state
     for tokens, requests, tile in _with_tiles(shapes, runner.tiled_attention):
         inputs = _padding_inputs(runner, tokens, requests, tile)
+        rows = requests * (1 + runner.num_spec)
         for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
             tensors = sampling.tensors(inputs.rows, requests, inputs.sample_positions, variant)
+            tensors = dataclasses.replace(tensors, allowed=runner.all_allowed(rows))
             _, runner.kv_cache, step = spec.run(state, runner.kv_cache, runner.input_batch,
                                                 inputs, tensors, variant, always_draft=True)
             jax.block_until_ready(step.drafts)
@@ -90,9 +93,10 @@ def _warm_spec(runner: eSurgeRunner, shapes: list[tuple[int, int]],
         tick(f"speculative step tokens={tokens} requests={requests} tile={tile}")
     k = runner.num_spec
     for requests in sorted(logits_of):
+        allowed = runner.all_allowed(requests * (k + 1))
         for variant in variants:
-            tensors = sampling.tensors(np.zeros(0, np.int64), requests, np.zeros(0, np.int32),
-                                       variant)
+            tensors = dataclasses.replace(sampling.tensors(
+                np.zeros(0, np.int64), requests, np.zeros(0, np.int32), variant), allowed=allowed)
             out = verify_jit(logits_of[requests], tensors, np.zeros((requests, k), np.int32),
                              np.zeros(requests, np.int32), spec.prob_buffer,
                              np.zeros(requests, np.int32), variant, spec.draft_vocab)
@@ -180,6 +184,7 @@ def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | No
         rows = np.zeros(0, np.int64)
         for variant in variants:
             tensors = sampling.tensors(rows, requests, np.zeros(0, np.int32), variant)
+            tensors = dataclasses.replace(tensors, allowed=runner.all_allowed(requests))
             jax.block_until_ready(sample_step(logits_of[requests], tensors, variant,
                                               runner.max_rows))
             tick(f"sampler requests={requests} {variant}")

@@ -8,9 +8,13 @@ New requests (and requests resumed after preemption) come in full as
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from esurge.request import EngineRequest
 from esurge.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from esurge.structured_output.compiler import CompiledGrammar
 
 __all__ = ["CachedRequestData", "NewRequestData", "SchedulerOutput"]
 
@@ -26,6 +30,7 @@ class NewRequestData:
     resumed after preemption is sent again as NewRequestData (its old state on
     the runner was dropped with the preemption), so output_token_ids holds the
     tokens generated before it was preempted; it is empty for a fresh request.
+    grammar is the compiled output constraint, None for an unconstrained request.
     """
 
     req_id: str
@@ -35,6 +40,7 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None
     output_token_ids: tuple[int, ...]
+    grammar: CompiledGrammar | None = None
 
     @classmethod
     def from_request(cls, request: EngineRequest, page_ids: PageIds) -> NewRequestData:
@@ -47,6 +53,7 @@ class NewRequestData:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
             output_token_ids=tuple(request.output_token_ids),
+            grammar=request.grammar,
         )
 
 

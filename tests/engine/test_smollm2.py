@@ -135,3 +135,29 @@ def test_a_chat_reply_ends_at_the_end_of_turn(engine: eSurge, hf: tuple[Any, Any
     assert completion.finish_reason == "stop"
     assert completion.token_ids[-1] == tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert "Paris" in completion.text
+
+
+CAPITAL_SCHEMA = {
+    "type": "object",
+    "properties": {"country": {"type": "string", "maxLength": 40},
+                   "capital": {"type": "string", "maxLength": 40}},
+    "required": ["country", "capital"], "additionalProperties": False,
+}
+
+
+def test_a_json_reply_follows_the_schema(engine: eSurge) -> None:
+    import json
+
+    import jsonschema
+
+    from esurge import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=CAPITAL_SCHEMA, disable_any_whitespace=True)
+    output = engine.chat([{"role": "user", "content": "What is the capital of France? "
+                                                      "Answer in JSON."}],
+                         SamplingParams(temperature=0, max_tokens=64, structured_outputs=so))
+    completion = output.outputs[0]
+    assert completion.finish_reason == "stop", completion.text
+    reply = json.loads(completion.text)
+    jsonschema.validate(reply, CAPITAL_SCHEMA)
+    assert reply["capital"] == "Paris" and reply["country"].lower() == "france", reply

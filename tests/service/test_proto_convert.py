@@ -15,6 +15,7 @@ from esurge.engine_types import (
 )
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
+from esurge.structured_output.params import StructuredOutputsParams
 from generated.esurge.v1 import config_pb2, engine_pb2, sampling_pb2
 from service import convert
 from service.errors import FieldViolation, InvalidFieldError
@@ -52,7 +53,7 @@ def test_presence_exactly_where_the_engine_default_is_not_zero() -> None:
         needs_presence = f.default is None or f.default not in (0, 0.0, False, "")
         assert proto.has_presence == needs_presence, f.name
         checked.append(f.name)
-    assert len(checked) == 16
+    assert len(checked) == 17
 
 
 def test_full_params_round_trip_over_the_wire() -> None:
@@ -235,3 +236,20 @@ def test_config_none_fields_are_absent() -> None:
     msg.scheduler_config.policy = config_pb2.SCHEDULING_POLICY_UNSPECIFIED
     with pytest.raises(ValueError, match="policy"):
         convert.config_from_proto(msg)
+
+
+@pytest.mark.parametrize("so", [
+    StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                            disable_any_whitespace=True, disable_additional_properties=True),
+    StructuredOutputsParams(json_object=True, whitespace_pattern="[ ]?"),
+    StructuredOutputsParams(regex="[0-9]{3}"),
+    StructuredOutputsParams(choice=("yes", "no")),
+    StructuredOutputsParams(grammar='start: "x"'),
+], ids=["json", "json_object", "regex", "choice", "grammar"])
+def test_structured_outputs_round_trip_over_the_wire(so: StructuredOutputsParams) -> None:
+    params = SamplingParams(max_tokens=8, structured_outputs=so)
+    wire = convert.sampling_params_to_proto(params).SerializeToString()
+    back = convert.sampling_params_from_proto(sampling_pb2.SamplingParams.FromString(wire))
+    assert back.structured_outputs == so or (
+        back.structured_outputs is not None and so.kind == "json"
+        and back.structured_outputs.schema() == so.schema())

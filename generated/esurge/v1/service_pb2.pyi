@@ -196,18 +196,22 @@ class SpecialTokenIds(_message.Message):
     def __init__(self, bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., pad_token_id: _Optional[int] = ...) -> None: ...
 
 class SupportedOptions(_message.Message):
-    __slots__ = ("sampling_params", "max_logprobs", "has_tokenizer", "max_n", "has_chat_template")
+    __slots__ = ("sampling_params", "max_logprobs", "has_tokenizer", "max_n", "has_chat_template", "structured_output_kinds", "structured_output_backend")
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_KINDS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_OUTPUT_BACKEND_FIELD_NUMBER: _ClassVar[int]
     sampling_params: _containers.RepeatedScalarFieldContainer[str]
     max_logprobs: int
     has_tokenizer: bool
     max_n: int
     has_chat_template: bool
-    def __init__(self, sampling_params: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., max_n: _Optional[int] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    structured_output_kinds: _containers.RepeatedScalarFieldContainer[str]
+    structured_output_backend: str
+    def __init__(self, sampling_params: _Optional[_Iterable[str]] = ..., max_logprobs: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., max_n: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., structured_output_kinds: _Optional[_Iterable[str]] = ..., structured_output_backend: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
     __slots__ = ("model_name", "architecture", "model_type", "max_model_len", "vocab_size", "special_token_ids", "supported_options", "dtype", "checkpoint_format")

@@ -1,0 +1,765 @@
+"""Grammar-constrained decoding backends, llguidance against xgrammar, on this machine's CPU.
+
+    .venv/bin/python bench/structured_backends.py [--quick] [--steps 30] [--json PATH]
+
+For each backend and each of two tokenizers it measures:
+
+1. the tokenizer bridge: llguidance.hf.from_tokenizer / xgrammar.TokenizerInfo.from_huggingface;
+2. cold compile of 20 different JSON schemas (nested objects, arrays with
+   minItems/maxItems, enums, integer/number bounds, string patterns,
+   required/optional, $ref/$defs, anyOf), one fresh compiler per schema and no
+   cache: p50 / p99 / total. llguidance's compile is building an LLMatcher from
+   LLMatcher.grammar_from_json_schema; xgrammar's is GrammarCompiler.compile_json_schema
+   (cache_enabled=False). Because llguidance computes masks lazily and xgrammar
+   precomputes them at compile time, "first mask" adds a matcher and its first
+   bitmask to the compile: the real cost before a request's first constrained token;
+3. the per-step mask at 32 constrained rows: 32 matchers (row i on schema i % 20),
+   each fed a valid instance of its schema token by token (the instance as the
+   HF tokenizer encodes it, then EOS; a finished row starts over), timing the
+   fill of one [32, ceil(V/32)] int32 bitmask for all rows per step: llguidance
+   with fill_next_token_bitmask_par on an LLExecutor and row by row with
+   fill_next_token_bitmask; xgrammar row by row with
+   GrammarMatcher.fill_next_token_bitmask and, for a like-for-like parallel
+   figure, BatchGrammarMatcher.batch_fill_next_token_bitmask. Median and p99
+   over the steps (with ~30 steps p99 is about the max; step 0, each row's first
+   mask, is also shown). Every step checks that the next token of each row's
+   instance is allowed by its mask, outside the timing.
+
+Tokenizers (nothing is downloaded):
+  smollm2-49k  the default model's (SmolLM2-135M-Instruct, V=49152), from the cached GGUF
+               through esurge.models.checkpoint.open_checkpoint;
+  synth-262k   a synthetic V=262144 byte-level BPE (the size of Gemma 3's vocabulary):
+               SmolLM2's tokenizer.json with its vocabulary and merges extended
+               programmatically (see extended_tokenizer): whitespace runs, single
+               characters of eight scripts (Latin, Greek, Cyrillic, Arabic, Devanagari,
+               kana, CJK, Hangul) built from their UTF-8 bytes, then CJK bigrams and
+               English compound words, each new token a merge of two existing ones.
+
+xgrammar is optional (it is not a project dependency): when it cannot be imported,
+llguidance alone is measured. Install it for a comparison with
+`pip install --no-deps xgrammar apache-tvm-ffi` (it imports without triton, which it
+needs only for GPU kernels). The machine may be shared: compare ratios, not absolute
+numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GGUF = Path("~/.cache/esurge/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf")
+BIG_VOCAB = 262144
+ROWS = 32
+
+Schema = dict[str, Any]
+
+# (name, schema, a valid instance); instances list properties in schema order,
+# since both backends keep that order by default.
+SCHEMAS: list[tuple[str, Schema, Any]] = [
+    ("person", {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1, "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "email": {"type": "string", "pattern": "^[a-z0-9._]+@[a-z0-9]+\\.[a-z]{2,4}$"},
+            "nickname": {"type": "string"},
+        },
+        "required": ["name", "age"],
+    }, {"name": "Ada Lovelace", "age": 36, "email": "ada.lovelace@math.org"}),
+    ("address", {
+        "type": "object",
+        "properties": {
+            "street": {"type": "string"},
+            "city": {"type": "string"},
+            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            "country": {"enum": ["FR", "DE", "US", "JP", "BR"]},
+        },
+        "required": ["street", "city", "zip", "country"],
+    }, {"street": "12 Rue de Rivoli", "city": "Paris", "zip": "75001", "country": "FR"}),
+    ("order", {
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+            "items": {
+                "type": "array", "minItems": 1, "maxItems": 10,
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"},
+                                   "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
+                    "required": ["sku", "qty"],
+                },
+            },
+            "total": {"type": "number", "minimum": 0},
+        },
+        "required": ["order_id", "items", "total"],
+    }, {"order_id": "ORD-004217", "items": [{"sku": "pen-blue", "qty": 3},
+                                            {"sku": "notebook-a5", "qty": 1}], "total": 14.5}),
+    ("tags", {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 5},
+        },
+        "required": ["title", "tags"],
+    }, {"title": "Grammar constrained decoding", "tags": ["llm", "json", "parsing"]}),
+    ("ticket", {
+        "type": "object",
+        "properties": {
+            "status": {"enum": ["open", "pending", "resolved", "closed"]},
+            "priority": {"enum": [1, 2, 3, 4]},
+            "component": {"type": "string", "enum": ["api", "scheduler", "kv-cache", "sampler"]},
+            "summary": {"type": "string", "maxLength": 120},
+        },
+        "required": ["status", "priority", "component", "summary"],
+    }, {"status": "pending", "priority": 2, "component": "kv-cache",
+        "summary": "Block table grows without bound under preemption"}),
+    ("tree", {
+        "$defs": {"node": {
+            "type": "object",
+            "properties": {"value": {"type": "integer"},
+                           "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+            "required": ["value", "children"],
+        }},
+        "$ref": "#/$defs/node",
+    }, {"value": 1, "children": [{"value": 2, "children": []},
+                                 {"value": 3, "children": [{"value": 4, "children": []}]}]}),
+    ("shape", {
+        "anyOf": [
+            {"type": "object", "properties": {"kind": {"const": "circle"},
+                                              "radius": {"type": "number", "minimum": 0}},
+             "required": ["kind", "radius"]},
+            {"type": "object", "properties": {"kind": {"const": "rect"},
+                                              "width": {"type": "number"},
+                                              "height": {"type": "number"}},
+             "required": ["kind", "width", "height"]},
+        ],
+    }, {"kind": "rect", "width": 3.5, "height": 12}),
+    ("event", {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+            "start": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+            "duration_min": {"type": "integer", "minimum": 5, "maximum": 480},
+            "online": {"type": "boolean"},
+        },
+        "required": ["name", "date", "start", "duration_min"],
+    }, {"name": "Design review", "date": "2025-03-14", "start": "09:30", "duration_min": 45,
+        "online": True}),
+    ("matrix", {
+        "type": "object",
+        "properties": {
+            "rows": {"type": "array", "minItems": 2, "maxItems": 4,
+                     "items": {"type": "array", "minItems": 3, "maxItems": 3,
+                               "items": {"type": "number"}}},
+        },
+        "required": ["rows"],
+    }, {"rows": [[1.0, 0.5, -2.25], [0, 3, 4.75], [7.5, 8, 9]]}),
+    ("config", {
+        "type": "object",
+        "properties": {
+            "debug": {"type": "boolean"},
+            "log_file": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "workers": {"type": "integer", "minimum": 1, "maximum": 64},
+            "timeout_s": {"type": "number", "minimum": 0.1, "maximum": 600},
+            "mode": {"enum": ["fast", "balanced", "safe"]},
+        },
+        "required": ["debug", "log_file", "workers"],
+    }, {"debug": False, "log_file": None, "workers": 8, "timeout_s": 30.5, "mode": "balanced"}),
+    ("catalog", {
+        "$defs": {
+            "price": {"type": "object",
+                      "properties": {"amount": {"type": "number", "minimum": 0},
+                                     "currency": {"enum": ["EUR", "USD", "JPY"]}},
+                      "required": ["amount", "currency"]},
+            "product": {"type": "object",
+                        "properties": {"name": {"type": "string"},
+                                       "price": {"$ref": "#/$defs/price"},
+                                       "in_stock": {"type": "boolean"}},
+                        "required": ["name", "price", "in_stock"]},
+        },
+        "type": "object",
+        "properties": {"products": {"type": "array", "items": {"$ref": "#/$defs/product"},
+                                    "minItems": 1, "maxItems": 8}},
+        "required": ["products"],
+    }, {"products": [{"name": "kettle", "price": {"amount": 29.9, "currency": "EUR"},
+                      "in_stock": True},
+                     {"name": "teapot", "price": {"amount": 3500, "currency": "JPY"},
+                      "in_stock": False}]}),
+    ("tool_call", {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["search_web", "get_weather", "run_sql", "send_email"]},
+            "arguments": {
+                "type": "object",
+                "properties": {"query": {"type": "string", "maxLength": 64},
+                               "limit": {"type": "integer", "minimum": 1, "maximum": 100}},
+                "required": ["query"],
+            },
+        },
+        "required": ["name", "arguments"],
+    }, {"name": "search_web", "arguments": {"query": "jax pallas paged attention", "limit": 5}}),
+    ("log_entry", {
+        "type": "object",
+        "properties": {
+            "level": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR"]},
+            "message": {"type": "string", "minLength": 1, "maxLength": 200},
+            "ts": {"type": "integer", "minimum": 0},
+            "context": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        "required": ["level", "message", "ts"],
+    }, {"level": "WARNING", "message": "request 17 preempted: out of KV blocks",
+        "ts": 1718000000, "context": {"request": "17", "blocks": "0"}}),
+    ("polygon", {
+        "type": "object",
+        "properties": {
+            "points": {"type": "array", "minItems": 3, "maxItems": 8, "items": {
+                "type": "object",
+                "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
+                               "lon": {"type": "number", "minimum": -180, "maximum": 180}},
+                "required": ["lat", "lon"]}},
+        },
+        "required": ["points"],
+    }, {"points": [{"lat": 48.85, "lon": 2.35}, {"lat": 51.5, "lon": -0.12},
+                   {"lat": 40.71, "lon": -74.0}]}),
+    ("settings", {
+        "type": "object",
+        "properties": {
+            "user": {"type": "object", "properties": {
+                "id": {"type": "integer"},
+                "prefs": {"type": "object", "properties": {
+                    "theme": {"enum": ["light", "dark"]},
+                    "notifications": {"type": "object", "properties": {
+                        "email": {"type": "boolean"}, "push": {"type": "boolean"}},
+                        "required": ["email", "push"]}},
+                    "required": ["theme", "notifications"]}},
+                "required": ["id", "prefs"]},
+        },
+        "required": ["user"],
+    }, {"user": {"id": 42, "prefs": {"theme": "dark",
+                                     "notifications": {"email": True, "push": False}}}}),
+    ("invoice", {
+        "$defs": {"line": {"type": "object",
+                           "properties": {"desc": {"type": "string"},
+                                          "qty": {"type": "integer", "minimum": 1},
+                                          "unit_price": {"type": "number", "minimum": 0}},
+                           "required": ["desc", "qty", "unit_price"]}},
+        "type": "object",
+        "properties": {
+            "number": {"type": "integer", "minimum": 1000, "maximum": 999999},
+            "lines": {"type": "array", "items": {"$ref": "#/$defs/line"}, "minItems": 1},
+            "discount": {"anyOf": [
+                {"type": "object", "properties": {"percent": {"type": "integer", "minimum": 0,
+                                                              "maximum": 100}},
+                 "required": ["percent"]},
+                {"type": "object", "properties": {"amount": {"type": "number"}},
+                 "required": ["amount"]}]},
+        },
+        "required": ["number", "lines"],
+    }, {"number": 20417, "lines": [{"desc": "consulting", "qty": 3, "unit_price": 120.0}],
+        "discount": {"percent": 10}}),
+    ("identifiers", {
+        "type": "object",
+        "properties": {
+            "uuid": {"type": "string", "pattern":
+                     "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"},
+            "version": {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"},
+            "color": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"},
+        },
+        "required": ["uuid", "version", "color"],
+    }, {"uuid": "3f2b8c1e-9a4d-4e7b-8c2f-1d0e5a6b7c8d", "version": "1.9.1",
+        "color": "#1a2B3c"}),
+    ("meeting", {
+        "type": "object",
+        "properties": {
+            "topic": {"type": "string"},
+            "attendees": {"type": "array", "minItems": 1, "maxItems": 6, "items": {
+                "type": "string", "pattern": "^[a-z]+@example\\.com$"}},
+            "room": {"type": "integer", "minimum": 100, "maximum": 999},
+        },
+        "required": ["topic", "attendees"],
+    }, {"topic": "quarterly planning", "attendees": ["alice@example.com", "bob@example.com"],
+        "room": 204}),
+    ("query", {
+        "type": "object",
+        "properties": {
+            "table": {"enum": ["users", "orders", "products"]},
+            "columns": {"type": "array", "minItems": 1, "maxItems": 4,
+                        "items": {"enum": ["id", "name", "price", "created_at"]}},
+            "where": {"anyOf": [{"type": "null"}, {
+                "type": "object",
+                "properties": {"column": {"type": "string"},
+                               "op": {"enum": ["=", "<", ">", "!="]},
+                               "value": {"anyOf": [{"type": "string"}, {"type": "number"}]}},
+                "required": ["column", "op", "value"]}]},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 1000},
+        },
+        "required": ["table", "columns", "where", "limit"],
+    }, {"table": "orders", "columns": ["id", "price"],
+        "where": {"column": "price", "op": ">", "value": 100}, "limit": 50}),
+    ("recipe", {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "servings": {"type": "integer", "minimum": 1, "maximum": 20},
+            "ingredients": {"type": "array", "minItems": 1, "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "amount": {"type": "number"},
+                               "unit": {"enum": ["g", "ml", "tsp", "tbsp", "piece"]}},
+                "required": ["name", "amount", "unit"]}},
+            "steps": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        },
+        "required": ["title", "servings", "ingredients", "steps"],
+    }, {"title": "Pancakes", "servings": 4,
+        "ingredients": [{"name": "flour", "amount": 250, "unit": "g"},
+                        {"name": "milk", "amount": 500, "unit": "ml"}],
+        "steps": ["Whisk everything.", "Fry in a hot pan."]}),
+]
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def smollm2_tokenizer() -> Any:
+    """The default model's transformers tokenizer, read from its cached GGUF."""
+    from esurge.models.checkpoint import open_checkpoint
+
+    path = GGUF.expanduser()
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing (the default model's GGUF is fetched on first serve)")
+    source = open_checkpoint(path)
+    try:
+        tokenizer = source.tokenizer()
+    finally:
+        source.close()
+    if tokenizer is None:
+        raise SystemExit(f"{path} has no tokenizer")
+    return tokenizer
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's byte-to-unicode table: the character ByteLevel BPE writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+class VocabExtender:
+    """Grows a BPE vocabulary by merges of two tokens it already has, up to `size`."""
+
+    def __init__(self, vocab: dict[str, int], merges: list[list[str]], size: int) -> None:
+        if sorted(vocab.values()) != list(range(len(vocab))):
+            raise ValueError("the base vocabulary's ids are not 0..n-1")
+        self.vocab, self.merges, self.size = vocab, merges, size
+
+    @property
+    def full(self) -> bool:
+        return len(self.vocab) >= self.size
+
+    def merge(self, left: str, right: str) -> str | None:
+        """left+right as a token (added if new); None if a part is missing or the vocab is full."""
+        token = left + right
+        if token in self.vocab:
+            return token
+        if self.full or left not in self.vocab or right not in self.vocab:
+            return None
+        self.vocab[token] = len(self.vocab)
+        self.merges.append([left, right])
+        return token
+
+    def chain(self, pieces: Sequence[str]) -> str | None:
+        """The concatenation of pieces, merged left to right."""
+        token: str | None = pieces[0]
+        for piece in pieces[1:]:
+            if token is None:
+                return None
+            token = self.merge(token, piece)
+        return token
+
+
+SCRIPTS = [(0x00C0, 0x017F), (0x0391, 0x03C9), (0x0400, 0x04FF), (0x0621, 0x064A),
+           (0x0900, 0x097F), (0x3041, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3)]
+
+
+def extend_vocab(vocab: dict[str, int], merges: list[list[str]], size: int) -> None:
+    """Extend vocab and merges in place to `size` tokens (seeded: the same every run)."""
+    chars = byte_level_chars()
+    grow = VocabExtender(vocab, merges, size)
+    for n in range(2, 33):
+        grow.chain(["Ġ"] * n)
+        grow.chain(["Ċ"] + ["Ġ"] * (n - 1))
+    cjk: list[str] = []
+    for lo, hi in SCRIPTS:
+        for code in range(lo, hi + 1):
+            token = grow.chain([chars[b] for b in chr(code).encode()])
+            if token is not None and code >= 0x4E00:
+                cjk.append(token)
+    heads = [t for t in vocab if t.startswith("Ġ") and t[1:].isascii() and t[1:].isalpha()]
+    tails = [t for t in vocab if len(t) >= 2 and t.isascii() and t.isalpha()]
+    rng = random.Random(0)
+    while not grow.full:
+        if rng.random() < 0.5:
+            grow.merge(rng.choice(heads), rng.choice(tails))
+        else:
+            grow.merge(rng.choice(cjk), rng.choice(cjk))
+
+
+def extended_tokenizer(base: Any, size: int = BIG_VOCAB) -> Any:
+    """`base` (a byte-level BPE) with its vocabulary extended to `size` tokens, as a
+    transformers PreTrainedTokenizerFast with the same special tokens."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(base.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model["type"] != "BPE" or spec["pre_tokenizer"]["type"] != "ByteLevel":
+        raise ValueError("the base tokenizer is not a byte-level BPE")
+    extend_vocab(model["vocab"], model["merges"], size)
+    backend = Tokenizer.from_str(json.dumps(spec))
+    specials = {k: getattr(base, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                if getattr(base, k, None) is not None}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+    if len(tokenizer) != size:
+        raise ValueError(f"the extended tokenizer has {len(tokenizer)} tokens, not {size}")
+    return tokenizer
+
+
+# ---------------------------------------------------------------- backends
+
+
+@dataclass
+class MaskVariant:
+    """One way of filling the [rows, words] bitmask for all rows."""
+
+    name: str
+    fill: Callable[[list[Any], np.ndarray], None]
+
+
+class LLGuidance:
+    """llguidance: LLMatcher per row, masks computed on demand."""
+
+    name = "llguidance"
+
+    def __init__(self, threads: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+
+        self.lib, self.hf, self.np = llguidance, llguidance.hf, llguidance.numpy
+        self.executor = llguidance.LLExecutor(num_threads=threads)
+        self.tokenizer: Any = None
+
+    def bridge(self, hf_tokenizer: Any, vocab: int) -> None:
+        self.tokenizer = self.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab)
+
+    def _matcher(self, grammar: str) -> Any:
+        matcher = self.lib.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RuntimeError(f"llguidance: {matcher.get_error()}")
+        return matcher
+
+    def compile(self, schema: Schema) -> tuple[Any, Any]:
+        """(what rows are made from, a matcher ready for its first mask)."""
+        grammar = self.lib.LLMatcher.grammar_from_json_schema(schema)
+        return grammar, self._matcher(grammar)
+
+    def first_mask(self, matcher: Any, mask: np.ndarray) -> None:
+        self.np.fill_next_token_bitmask(matcher, mask, 0)
+
+    def new_row(self, compiled: Any) -> Any:
+        return self._matcher(compiled)
+
+    def consume(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.consume_token(token)) and not matcher.is_error()
+
+    def finished(self, matcher: Any) -> bool:
+        return bool(matcher.is_stopped())
+
+    def reset(self, matcher: Any) -> None:
+        matcher.reset()
+
+    def variants(self) -> list[MaskVariant]:
+        def parallel(rows: list[Any], mask: np.ndarray) -> None:
+            self.np.fill_next_token_bitmask_par(
+                self.executor, [(m, i) for i, m in enumerate(rows)], mask)
+
+        def sequential(rows: list[Any], mask: np.ndarray) -> None:
+            for i, m in enumerate(rows):
+                self.np.fill_next_token_bitmask(m, mask, i)
+
+        return [MaskVariant("par (LLExecutor)", parallel), MaskVariant("per row", sequential)]
+
+
+class XGrammar:
+    """xgrammar: GrammarCompiler (adaptive token-mask cache built at compile) + GrammarMatcher."""
+
+    name = "xgrammar"
+
+    def __init__(self, threads: int) -> None:
+        import xgrammar
+
+        self.lib, self.threads = xgrammar, threads
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        self.info: Any = None
+
+    def bridge(self, hf_tokenizer: Any, vocab: int) -> None:
+        self.info = self.lib.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab)
+
+    def compile(self, schema: Schema) -> tuple[Any, Any]:
+        compiler = self.lib.GrammarCompiler(self.info, max_threads=self.threads,
+                                            cache_enabled=False)
+        compiled = compiler.compile_json_schema(json.dumps(schema))
+        return compiled, compiled
+
+    def first_mask(self, compiled: Any, mask: np.ndarray) -> None:
+        self.lib.GrammarMatcher(compiled).fill_next_token_bitmask(mask, 0)
+
+    def new_row(self, compiled: Any) -> Any:
+        return self.lib.GrammarMatcher(compiled)
+
+    def consume(self, matcher: Any, token: int) -> bool:
+        return bool(matcher.accept_token(token))
+
+    def finished(self, matcher: Any) -> bool:
+        return bool(matcher.is_terminated())
+
+    def reset(self, matcher: Any) -> None:
+        matcher.reset()
+
+    def variants(self) -> list[MaskVariant]:
+        def sequential(rows: list[Any], mask: np.ndarray) -> None:
+            for i, m in enumerate(rows):
+                m.fill_next_token_bitmask(mask, i)
+
+        def batched(rows: list[Any], mask: np.ndarray) -> None:
+            self.batch.batch_fill_next_token_bitmask(rows, mask)
+
+        return [MaskVariant("per row", sequential), MaskVariant("batch (BatchGrammarMatcher)",
+                                                                batched)]
+
+
+Backend = LLGuidance | XGrammar
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def percentiles_ms(seconds: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / total of `seconds`, in milliseconds."""
+    ms = np.asarray(seconds) * 1e3
+    return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)),
+            "total": float(ms.sum())}
+
+
+def measure_compile(backend: Backend, vocab: int) -> tuple[list[Any], dict[str, Any]]:
+    """Cold compile of every schema, then its first mask; (compiled per schema, stats)."""
+    mask = np.zeros((1, math.ceil(vocab / 32)), dtype=np.int32)
+    compiled, compile_s, first_s = [], [], []
+    for _, schema, _ in SCHEMAS:
+        start = time.perf_counter()
+        rows_from, ready = backend.compile(schema)
+        compiled_at = time.perf_counter()
+        backend.first_mask(ready, mask)
+        done = time.perf_counter()
+        compiled.append(rows_from)
+        compile_s.append(compiled_at - start)
+        first_s.append(done - start)
+    return compiled, {"compile_ms": percentiles_ms(compile_s),
+                      "compile_and_first_mask_ms": percentiles_ms(first_s)}
+
+
+def allowed(mask: np.ndarray, row: int, token: int) -> bool:
+    return bool((int(mask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def measure_variant(backend: Backend, variant: MaskVariant, compiled: list[Any],
+                    sequences: list[list[int]], vocab: int, steps: int) -> dict[str, float]:
+    """Per-step time of variant.fill over ROWS fresh matchers walked along their instances."""
+    rows = [backend.new_row(compiled[i % len(compiled)]) for i in range(ROWS)]
+    seqs = [sequences[i % len(sequences)] for i in range(ROWS)]
+    pos = [0] * ROWS
+    mask = np.zeros((ROWS, math.ceil(vocab / 32)), dtype=np.int32)
+    times, rejected = [], 0
+    for _ in range(steps):
+        mask.fill(0)
+        start = time.perf_counter()
+        variant.fill(rows, mask)
+        times.append(time.perf_counter() - start)
+        for i, matcher in enumerate(rows):
+            token = seqs[i][pos[i]]
+            rejected += not allowed(mask, i, token)
+            if not backend.consume(matcher, token):
+                raise RuntimeError(f"{backend.name} rejected token {token} of row {i}")
+            pos[i] += 1
+            if pos[i] == len(seqs[i]):
+                if not backend.finished(matcher):
+                    raise RuntimeError(f"{backend.name}: row {i} not finished after EOS")
+                backend.reset(matcher)
+                pos[i] = 0
+    ms = np.asarray(times) * 1e3
+    return {"median": float(np.median(ms)), "p99": float(np.percentile(ms, 99)),
+            "step0": float(ms[0]), "masked_out_next_tokens": rejected}
+
+
+def instance_tokens(hf_tokenizer: Any) -> list[list[int]]:
+    """Each schema's instance as the tokenizer encodes it, then EOS."""
+    eos = hf_tokenizer.eos_token_id
+    return [[*hf_tokenizer(json.dumps(instance), add_special_tokens=False).input_ids, eos]
+            for _, _, instance in SCHEMAS]
+
+
+def measure_backend(backend: Backend, hf_tokenizer: Any, vocab: int, steps: int
+                    ) -> dict[str, Any]:
+    """Bridge, compile and mask figures of one backend on one tokenizer."""
+    start = time.perf_counter()
+    backend.bridge(hf_tokenizer, vocab)
+    result: dict[str, Any] = {"bridge_s": time.perf_counter() - start}
+    compiled, result_compile = measure_compile(backend, vocab)
+    result.update(result_compile)
+    sequences = instance_tokens(hf_tokenizer)
+    result["mask_ms"] = {v.name: measure_variant(backend, v, compiled, sequences, vocab, steps)
+                         for v in backend.variants()}
+    return result
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def cpu_model() -> str:
+    """The first CPU's model name in /proc/cpuinfo, with its family and model numbers."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    if "model name" not in fields:
+        import platform
+
+        return platform.processor() or "unknown"
+    return (f"{fields['model name']} (family {fields.get('cpu family', '?')}, "
+            f"model {fields.get('model', '?')})")
+
+
+def version_of(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    """The report as two fixed-width tables."""
+    print(f"\nCPU: {report['cpu']} ({report['cpus']} logical CPUs; {report['threads']} "
+          f"threads for the parallel fills) | {ROWS} rows, {report['steps']} steps, "
+          f"{len(SCHEMAS)} schemas")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()))
+    print("\nbridge and cold compile (ms; compile+1st = compile, a matcher and its first mask)")
+    head = (f"{'tokenizer':<12} {'backend':<11} {'bridge':>8} {'cmp p50':>8} {'cmp p99':>8} "
+            f"{'cmp tot':>8} {'+1st p50':>8} {'+1st p99':>8} {'+1st tot':>8}")
+    print(head + "\n" + "-" * len(head))
+    for tok_name, tok in report["tokenizers"].items():
+        for name, r in tok["backends"].items():
+            c, f = r["compile_ms"], r["compile_and_first_mask_ms"]
+            print(f"{tok_name:<12} {name:<11} {r['bridge_s'] * 1e3:8.0f} {c['p50']:8.2f} "
+                  f"{c['p99']:8.2f} {c['total']:8.1f} {f['p50']:8.2f} {f['p99']:8.2f} "
+                  f"{f['total']:8.1f}")
+    print(f"\nmask for all {ROWS} rows per step (ms); bad = next instance tokens the mask "
+          "refused (must be 0)")
+    for tok_name, tok in report["tokenizers"].items():
+        print(f"  {tok_name}: V={tok['vocab']}, instances {tok['instance_tokens_mean']:.1f} "
+              "tokens on average (with EOS)")
+    head = (f"{'tokenizer':<12} {'backend':<11} {'fill':<28} {'median':>8} {'p99':>8} "
+            f"{'step 0':>8} {'us/row':>7} {'bad':>4}")
+    print(head + "\n" + "-" * len(head))
+    for tok_name, tok in report["tokenizers"].items():
+        for name, r in tok["backends"].items():
+            for variant, m in r["mask_ms"].items():
+                print(f"{tok_name:<12} {name:<11} {variant:<28} {m['median']:8.3f} "
+                      f"{m['p99']:8.3f} {m['step0']:8.3f} {m['median'] * 1e3 / ROWS:7.1f} "
+                      f"{m['masked_out_next_tokens']:4d}")
+
+
+# ---------------------------------------------------------------- main
+
+
+def backend_types() -> list[type[Backend]]:
+    """llguidance, and xgrammar when it can be imported."""
+    found: list[type[Backend]] = [LLGuidance]
+    try:
+        import xgrammar  # noqa: F401
+    except Exception as error:  # ImportError, or a missing dependency of its own
+        print(f"xgrammar cannot be imported ({type(error).__name__}: {error}); "
+              "measuring llguidance only", flush=True)
+    else:
+        found.append(XGrammar)
+    return found
+
+
+def run(steps: int, threads: int) -> dict[str, Any]:
+    """Every backend on both tokenizers."""
+    types = backend_types()
+    base = smollm2_tokenizer()
+    start = time.perf_counter()
+    big = extended_tokenizer(base)
+    print(f"built the synthetic {BIG_VOCAB}-token tokenizer in "
+          f"{time.perf_counter() - start:.1f}s", flush=True)
+    report: dict[str, Any] = {
+        "cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "steps": steps,
+        "versions": {p: v for p in ("llguidance", "xgrammar", "tokenizers", "transformers")
+                     if (v := version_of(p)) is not None},
+        "tokenizers": {}}
+    for tok_name, hf, vocab in (("smollm2-49k", base, len(base)), ("synth-262k", big, BIG_VOCAB)):
+        lengths = [len(seq) for seq in instance_tokens(hf)]
+        entry: dict[str, Any] = {"vocab": vocab, "instance_tokens_mean": float(np.mean(lengths)),
+                                 "backends": {}}
+        for backend in (kind(threads) for kind in types):
+            print(f"measuring {backend.name} on {tok_name} (V={vocab})", flush=True)
+            entry["backends"][backend.name] = measure_backend(backend, hf, vocab, steps)
+        report["tokenizers"][tok_name] = entry
+    return report
+
+
+def main() -> int:
+    """Parse arguments, measure, print the tables (and write the JSON)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="decode steps per mask figure")
+    p.add_argument("--quick", action="store_true", help="10 steps instead of --steps")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of LLExecutor, BatchGrammarMatcher and GrammarCompiler")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args()
+    report = run(10 if args.quick else args.steps, args.threads)
+    print_tables(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The grammar matchers of the runner's running requests, and their step masks.
+
+Keyed by request id rather than batch row, so condensing the batch moves
+nothing. A step's masks are filled on the host in one call (llguidance's
+executor spreads rows over threads) into a [rows, words] int32 array that
+the sampler unpacks on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from esurge.structured_output.compiler import CompiledGrammar
+from esurge.structured_output.matcher import GrammarMatcher, mask_words
+
+__all__ = ["GrammarBatch"]
+
+# Below this many rows threads cost more than they save.
+_PARALLEL_ROWS = 4
+
+
+class GrammarBatch:
+    """Matchers of the constrained requests among the running ones."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.words = mask_words(vocab_size)
+        self._matchers: dict[str, GrammarMatcher] = {}
+        self._executor: llguidance.LLExecutor | None = None
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._matchers
+
+    def get(self, req_id: str) -> GrammarMatcher | None:
+        """The request's matcher, None when it is unconstrained."""
+        return self._matchers.get(req_id)
+
+    def add(self, req_id: str, grammar: CompiledGrammar, stop_ids: Sequence[int],
+            output_token_ids: Sequence[int]) -> None:
+        """Start following a request; a resumed one replays the output it already has."""
+        matcher = GrammarMatcher(grammar, stop_ids)
+        matcher.advance(0, list(output_token_ids))
+        self._matchers[req_id] = matcher
+
+    def remove(self, req_ids: Iterable[str]) -> None:
+        """Forget finished or preempted requests."""
+        for req_id in req_ids:
+            self._matchers.pop(req_id, None)
+
+    def any_in(self, req_ids: Sequence[str]) -> bool:
+        """True when a request of the list is constrained."""
+        return bool(self._matchers) and any(r in self._matchers for r in req_ids)
+
+    def advance(self, req_id: str, start: int, tokens: Sequence[int]) -> None:
+        """Feed output tokens at output indices [start, ...) to a request's matcher."""
+        matcher = self._matchers.get(req_id)
+        if matcher is not None:
+            matcher.advance(start, tokens)
+
+    def masks(self, req_ids: Sequence[str], samples: np.ndarray,  # [n] bool
+              bucket: int) -> np.ndarray:
+        """[bucket, words] int32: row i is request i's mask where it samples, else all set."""
+        out = np.full((bucket, self.words), -1, np.int32)
+        live = [(m, i) for i, rid in enumerate(req_ids)
+                if samples[i] and (m := self._matchers.get(rid)) is not None and m.live]
+        if len(live) < _PARALLEL_ROWS:
+            for matcher, i in live:
+                matcher.fill(out[i])
+            return out
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(m.llmatcher, i) for m, i in live], out)
+        for matcher, i in live:
+            matcher.fix_stops(out[i])
+        return out
+
+    def draft_masks(self, req_ids: Sequence[str], samples: np.ndarray,  # [n] bool
+                    drafts: np.ndarray,  # [bucket, k] int32
+                    num_drafts: np.ndarray,  # [bucket] int32
+                    ) -> np.ndarray:
+        """[bucket * (k + 1), words] int32: per request, the masks after each
+        prefix of its drafts (see GrammarMatcher.fill_with_drafts)."""
+        bucket, k = drafts.shape
+        out = np.full((bucket, k + 1, self.words), -1, np.int32)
+        for i, rid in enumerate(req_ids):
+            matcher = self._matchers.get(rid)
+            if samples[i] and matcher is not None:
+                matcher.fill_with_drafts(out[i], drafts[i, :int(num_drafts[i])].tolist())
+        return out.reshape(bucket * (k + 1), self.words)
