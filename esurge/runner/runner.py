@@ -303,8 +303,10 @@ class eSurgeRunner:
         ib = self.input_batch
         emitted, proposals = self.spec.finish(ib, inputs, step)
         for i, req_id in enumerate(inputs.req_ids):
-            if emitted[i]:
+            if emitted[i] and req_id in self.grammars:
                 self.grammars.advance(req_id, int(inputs.sample_positions[i]), emitted[i])
+                # Drafts the grammar refuses would be rejected: not worth verifying.
+                proposals[i] = self.grammars.valid_drafts(req_id, proposals[i])
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},

@@ -64,6 +64,13 @@ class GrammarBatch:
         if matcher is not None:
             matcher.advance(start, tokens)
 
+    def valid_drafts(self, req_id: str, drafts: list[int]) -> list[int]:
+        """A proposal cut before the first token the request's grammar refuses."""
+        matcher = self._matchers.get(req_id)
+        if matcher is None or not drafts:
+            return drafts
+        return drafts[:matcher.valid_prefix(drafts)]
+
     def masks(self, req_ids: Sequence[str], samples: np.ndarray,  # [n] bool
               bucket: int) -> np.ndarray:
         """[bucket, words] int32: row i is request i's mask where it samples, else all set."""

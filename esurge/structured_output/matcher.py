@@ -93,6 +93,20 @@ class GrammarMatcher:
         if self._matcher.is_accepting():
             _set_bits(row, self.stop_ids, True)
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of a draft the grammar allows from here (a
+        stop token counts where the grammar accepts, and nothing after it)."""
+        if not self.live or not tokens:
+            return 0
+        n = self._matcher.validate_tokens([int(t) for t in tokens])
+        if n < len(tokens) and tokens[n] in self.stop_ids:
+            consumed = self._matcher.try_consume_tokens([int(t) for t in tokens[:n]])
+            accepting = self._matcher.is_accepting()
+            if consumed:
+                self._matcher.rollback(consumed)
+            n += accepting
+        return n
+
     def fill_with_drafts(self, rows: np.ndarray, drafts: Sequence[int]) -> None:
         """Masks for a draft's positions: rows[j] ([S, W] int32) is the mask after
         drafts[:j]; rows past the first draft the grammar refuses allow all (the
