@@ -140,7 +140,8 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
            if args.tls_cert is not None else None)
     return ServerOptions(max_message_bytes=args.max_message_bytes,
                          max_concurrent_streams=args.max_concurrent_streams,
-                         max_queued_requests=args.max_queued_requests, tls=tls)
+                         max_queued_requests=args.max_queued_requests, tls=tls,
+                         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
 
 
 async def _wait_engine(engine_future: Future[eSurge],
@@ -165,6 +166,8 @@ async def _serve(args: argparse.Namespace, config: Config, dtype: str,
     server = EngineServer(options, host=args.host, port=args.port)
     await server.start()
     log.info("listening on %s:%d (NOT_SERVING until the engine is warm)", args.host, server.port)
+    if server.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", args.metrics_host, server.metrics_port)
     try:
         engine = await _wait_engine(_start_engine_thread(args, config, dtype), stop)
     except Exception as err:

@@ -142,6 +142,11 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrent-streams", type=_int_at_least(1), default=None,
                        help="most concurrent streams per client connection "
                             "(default: gRPC's own limit)")
+    group.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                       help="serve Prometheus metrics (vLLM's names) over HTTP on this port "
+                            "(default: off; 0 picks a free one)")
+    group.add_argument("--metrics-host", default="127.0.0.1",
+                       help="address of the metrics listener (default: %(default)s)")
     group.add_argument("--max-queued-requests", type=_int_at_least(1), default=1024,
                        help="requests waiting beyond this are refused with RESOURCE_EXHAUSTED "
                             "(default: %(default)s)")

@@ -48,9 +48,7 @@ def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
     if pad is not None:
         special.pad_token_id = pad
     return service_pb2.GetModelInfoResponse(
-        # A directory's name, or a GGUF file's name without its extension.
-        model_name=(model.model_dir.resolve().stem if model.source_kind == "gguf"
-                    else model.model_dir.resolve().name),
+        model_name=model_name(engine),
         architecture=model.architecture,
         model_type=str(getattr(hf, "model_type", "")),
         max_model_len=engine.config.scheduler_config.max_model_len,
@@ -70,6 +68,13 @@ def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
         dtype=model.dtype,
         checkpoint_format=model.source_kind,
     )
+
+
+def model_name(engine: eSurge) -> str:
+    """The served model's name: its directory's, or its GGUF file's without the extension."""
+    model = engine.model
+    path = model.model_dir.resolve()
+    return path.stem if model.source_kind == "gguf" else path.name
 
 
 def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:

@@ -1,4 +1,5 @@
-"""The gRPC server: EngineService, grpc.health.v1 and reflection on one port.
+"""The gRPC server: EngineService, grpc.health.v1 and reflection on one port,
+and Prometheus metrics over HTTP on another when asked.
 
 `create_server(engine, port=0)` gives a serving server in one call (tests,
 embedding). `EngineServer` exposes the life cycle the CLI needs: listen
@@ -13,15 +14,19 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
 
 from generated.esurge.v1 import service_pb2
 from service.admission import AdmissionPolicy
+from service.grpc_metrics import GrpcServerMetrics
 from service.health import Phase, ServingState
+from service.info import model_name
+from service.metrics import EngineMetrics
 from service.servicer import EngineServicer
 from service.wire import engine_service_handler
 
@@ -76,6 +81,9 @@ class ServerOptions:
     max_concurrent_streams: int | None = None
     max_queued_requests: int = 1024
     tls: TlsConfig | None = None
+    # Prometheus metrics over HTTP on this port (None: off; 0: a free one).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1:
@@ -86,6 +94,9 @@ class ServerOptions:
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, "
                              f"got {self.max_queued_requests}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be None or in [0, 65535], "
+                             f"got {self.metrics_port}")
 
     def channel_options(self) -> list[tuple[str, int]]:
         """The grpc core options these limits translate to."""
@@ -113,7 +124,9 @@ class EngineServer:
         self.state = ServingState()
         self.servicer = EngineServicer(
             self.state, AdmissionPolicy(max_queued_requests=self.options.max_queued_requests))
-        self.server = grpc.aio.server(options=self.options.channel_options())
+        self.registry = CollectorRegistry()
+        self.server = grpc.aio.server(options=self.options.channel_options(),
+                                      interceptors=(GrpcServerMetrics(self.registry),))
         self.server.add_generic_rpc_handlers((engine_service_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.server)
         reflection.enable_server_reflection(
@@ -128,16 +141,30 @@ class EngineServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
         self._watch: asyncio.TimerHandle | None = None
+        self._metrics_http: Any = None
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
         """Listen; health is NOT_SERVING and calls are refused until `attach`."""
         await self.state.initialize()
         await self.server.start()
+        self._start_metrics()
         self._schedule_watch()
+
+    def _start_metrics(self) -> None:
+        port = self.options.metrics_port
+        if port is None:
+            return
+        self._metrics_http, _ = start_http_server(port, addr=self.options.metrics_host,
+                                                  registry=self.registry)
+        self.metrics_port = int(self._metrics_http.server_port)
+        log.info("metrics on http://%s:%d/metrics", self.options.metrics_host,
+                 self.metrics_port)
 
     async def attach(self, engine: eSurge) -> None:
         """Serve `engine` (warmed up) and report SERVING."""
         self.servicer.attach(engine)
+        EngineMetrics(engine, model_name(engine), self.registry)
         failure = self.servicer.engine_failure()
         if failure is not None:
             await self.state.mark_failed(failure)
@@ -175,6 +202,10 @@ class EngineServer:
         if self._watch is not None:
             self._watch.cancel()
         await self.server.stop(_FINAL_GRACE_S)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
 
 
 async def create_server(engine: eSurge, options: ServerOptions | None = None, *,

@@ -30,7 +30,7 @@ from esurge.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from esurge.structured_output.compiler import CompiledGrammar
 
-__all__ = ["EngineDeadError", "EngineLoop", "OutputCallback"]
+__all__ = ["EngineDeadError", "EngineLoop", "FinishListener", "OutputCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class EngineDeadError(RuntimeError):
 # A streaming subscriber gets each step's RequestDelta; a final_only one the
 # finished RequestOutput; either may get the engine's death instead.
 OutputCallback = Callable[[RequestOutput | RequestDelta | EngineDeadError], None]
+# Told of every request that ended (finished, or aborted: the flag), on the
+# loop thread, with the request's cumulative output (metrics read it).
+FinishListener = Callable[[RequestOutput, bool], None]
 
 
 @dataclass(slots=True)
@@ -89,6 +92,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
+        self._finish_listeners: list[FinishListener] = []
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -125,6 +129,20 @@ class EngineLoop:
                                    make_requests, callback, accepted, final_only, grammar,
                                    deadline))
         return accepted
+
+    def add_finish_listener(self, listener: FinishListener) -> None:
+        """Call listener(output, aborted) on the loop thread whenever a request ends.
+
+        Add listeners before requests arrive; a listener must be quick and
+        must not keep the output (it is the engine's own, still mutable)."""
+        self._finish_listeners.append(listener)
+
+    def _notify_finished(self, output: RequestOutput, aborted: bool) -> None:
+        for listener in self._finish_listeners:
+            try:
+                listener(output, aborted)
+            except Exception:  # a broken listener must not take the engine down
+                log.exception("finish listener failed")
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still running (idempotent)."""
@@ -242,9 +260,12 @@ class EngineLoop:
         if parked is not None:
             parked.accepted.cancel()
             return
+        output = self.processor.output_of(request_id)
         child_ids = self.processor.abort(request_id)
         if child_ids:
             self.core.abort_requests(child_ids)
+        if output is not None:
+            self._notify_finished(output, True)
         self._callbacks.pop(request_id, None)
         self._final_only.discard(request_id)
 
@@ -267,6 +288,7 @@ class EngineLoop:
                 if request_output.finished:
                     self._callbacks.pop(rid, None)
                     self._final_only.discard(rid)
+                    self._notify_finished(request_output, False)
                 elif final_only:
                     continue
                 if callback is not None:

@@ -192,6 +192,11 @@ class OutputProcessor:
             comp.stop_reason)
         return delta, stopped
 
+    def output_of(self, request_id: str) -> RequestOutput | None:
+        """The cumulative output of a request still in flight."""
+        parent = self._parents.get(request_id)
+        return None if parent is None else parent.output
+
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent; returns the engine ids still to abort in the scheduler."""
         parent = self._parents.pop(request_id, None)
