@@ -141,7 +141,8 @@ def _server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(max_message_bytes=args.max_message_bytes,
                          max_concurrent_streams=args.max_concurrent_streams,
                          max_queued_requests=args.max_queued_requests, tls=tls,
-                         metrics_port=args.metrics_port, metrics_host=args.metrics_host)
+                         metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                         vllm_protocol=args.vllm_protocol)
 
 
 async def _wait_engine(engine_future: Future[eSurge],

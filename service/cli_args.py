@@ -142,6 +142,9 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrent-streams", type=_int_at_least(1), default=None,
                        help="most concurrent streams per client connection "
                             "(default: gRPC's own limit)")
+    group.add_argument("--vllm-protocol", action=argparse.BooleanOptionalAction, default=True,
+                       help="also serve vLLM's engine protocol (vllm.grpc.engine.VllmEngine) "
+                            "for gateways such as smg (default: on)")
     group.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                        help="serve Prometheus metrics (vLLM's names) over HTTP on this port "
                             "(default: off; 0 picks a free one)")

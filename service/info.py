@@ -70,6 +70,11 @@ def model_info(engine: eSurge) -> service_pb2.GetModelInfoResponse:
     )
 
 
+def server_version() -> str:
+    """This server's version (the esurge-grpc distribution's)."""
+    return _version("esurge-grpc") or "unknown"
+
+
 def model_name(engine: eSurge) -> str:
     """The served model's name: its directory's, or its GGUF file's without the extension."""
     model = engine.model

@@ -1,5 +1,5 @@
-"""The gRPC server: EngineService, grpc.health.v1 and reflection on one port,
-and Prometheus metrics over HTTP on another when asked.
+"""The gRPC server: EngineService, vLLM's engine protocol, grpc.health.v1 and
+reflection on one port, and Prometheus metrics over HTTP on another when asked.
 
 `create_server(engine, port=0)` gives a serving server in one call (tests,
 embedding). `EngineServer` exposes the life cycle the CLI needs: listen
@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from generated.esurge.v1 import service_pb2
 from service.admission import AdmissionPolicy
@@ -28,6 +29,8 @@ from service.health import Phase, ServingState
 from service.info import model_name
 from service.metrics import EngineMetrics
 from service.servicer import EngineServicer
+from service.vllm_servicer import SERVICE_NAME as VLLM_SERVICE_NAME
+from service.vllm_servicer import VllmEngineServicer
 from service.wire import engine_service_handler
 
 if TYPE_CHECKING:
@@ -84,6 +87,9 @@ class ServerOptions:
     # Prometheus metrics over HTTP on this port (None: off; 0: a free one).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    # Also serve vLLM's engine protocol (vllm.grpc.engine.VllmEngine) for
+    # gateways such as smg, on the same port and engine.
+    vllm_protocol: bool = True
 
     def __post_init__(self) -> None:
         if self.max_message_bytes < 1:
@@ -129,8 +135,12 @@ class EngineServer:
                                       interceptors=(GrpcServerMetrics(self.registry),))
         self.server.add_generic_rpc_handlers((engine_service_handler(self.servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.server)
-        reflection.enable_server_reflection(
-            (ENGINE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        services = [ENGINE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if self.options.vllm_protocol:
+            vllm_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(self.servicer),
+                                                       self.server)
+            services.append(VLLM_SERVICE_NAME)
+        reflection.enable_server_reflection(services, self.server)
         address = f"{host}:{port}"
         tls = self.options.tls
         try:

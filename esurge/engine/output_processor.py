@@ -124,7 +124,8 @@ class OutputProcessor:
             if stopped:
                 result.stopped_by_string.append(out.request_id)
             entry[1].append(delta)
-            entry[2].extend(out.new_prompt_logprobs or ())
+            if sample.completion.index == 0:  # every sample scores the same prompt
+                entry[2].extend(out.new_prompt_logprobs or ())
             if sample.completion.finished:
                 sample.completion.text = "".join(sample.text_parts)
                 del self._samples[out.request_id]
@@ -149,10 +150,12 @@ class OutputProcessor:
         if not parent.seen_first:
             parent.seen_first = True
             parent.output.num_cached_tokens = out.num_cached_tokens
-            if out.new_prompt_logprobs is not None:
+        if comp.index == 0 and out.new_prompt_logprobs is not None:
+            # Every sample scores the same prompt; the first sample's scores are kept.
+            if parent.output.prompt_logprobs is None:
                 parent.output.prompt_logprobs = list(out.new_prompt_logprobs)
-        elif out.new_prompt_logprobs and parent.output.prompt_logprobs is not None:
-            parent.output.prompt_logprobs.extend(out.new_prompt_logprobs)
+            else:
+                parent.output.prompt_logprobs.extend(out.new_prompt_logprobs)
         for event in out.events or ():
             if event.type is EngineCoreEventType.SCHEDULED and metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = event.timestamp

@@ -62,6 +62,9 @@ def test_logprobs_match_reference(engine: eSurge, ref_model: torch.nn.Module) ->
         assert entry is not None and entry.token_ids[0] == PROMPT[pos]
         np.testing.assert_allclose(entry.logprobs[0], ref[pos - 1][PROMPT[pos]], atol=1e-4)
         assert len(entry.token_ids) == 4
+    # n samples share one prompt: its logprobs come once, not once per sample.
+    [many] = engine.generate([PROMPT], SamplingParams(n=3, max_tokens=2, prompt_logprobs=0))
+    assert many.prompt_logprobs is not None and len(many.prompt_logprobs) == len(PROMPT)
 
 
 def test_penalties_follow_reference_loop(engine: eSurge, ref_model: torch.nn.Module) -> None:
