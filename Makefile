@@ -15,7 +15,7 @@ SERVE_FLAGS ?= --enable-chunked-prefill --max-num-seqs 16 --max-num-batched-toke
 	--max-model-len 2048 --async-scheduling
 PYTEST_ARGS ?=
 
-.PHONY: install sysdeps test serve proto lint bench clean
+.PHONY: install sysdeps test serve gateway proto lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,14 @@ test: sysdeps install
 
 serve: $(RUNTIME_STAMP)
 	$(PY) -m service --model $(MODEL) --port $(PORT) $(SERVE_FLAGS)
+
+# REPLICAS servers of MODEL behind the smg gateway (OpenAI API on GATEWAY_PORT).
+REPLICAS ?= 2
+GATEWAY_PORT ?= 30000
+POLICY ?= cache_aware
+gateway: install
+	$(PY) tools/gateway.py --replicas $(REPLICAS) --port $(GATEWAY_PORT) --policy $(POLICY) \
+		-- --model $(MODEL) $(SERVE_FLAGS)
 
 proto: install
 	$(PY) tools/gen_proto.py

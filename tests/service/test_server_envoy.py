@@ -119,12 +119,19 @@ def _listener_port(envoy: Envoy) -> int:
     return port
 
 
+def _endpoints(ports: list[int]) -> str:
+    return "\n".join(f"        - endpoint:\n            address:\n              socket_address: "
+                     f"{{address: 127.0.0.1, port_value: {port}}}" for port in ports)
+
+
 @contextmanager
-def running_envoy(tmp_path: Path, upstream_port: int) -> Iterator[Envoy]:
-    """Envoy in front of 127.0.0.1:`upstream_port`, with the host seen healthy."""
+def running_envoy(tmp_path: Path, upstream_port: int, *more_ports: int) -> Iterator[Envoy]:
+    """Envoy in front of 127.0.0.1:`upstream_port` (and `more_ports`), every host
+    seen healthy."""
+    ports = [upstream_port, *more_ports]
     config = tmp_path / "envoy.yaml"
     config.write_text(string.Template(CONFIG.read_text()).substitute(
-        upstream_port=upstream_port))
+        endpoints=_endpoints(ports)))
     address_file = tmp_path / "envoy-admin-address"
     log_file = tmp_path / "envoy.log"
     with log_file.open("wb") as log:
@@ -141,8 +148,9 @@ def running_envoy(tmp_path: Path, upstream_port: int) -> Iterator[Envoy]:
 
         envoy = Envoy(proc, _poll("envoy's admin address", admin_address, 30), log_file)
         envoy.port = _poll("envoy's gRPC listener", lambda: _listener_port(envoy), 30)
-        # The host starts out unhealthy until its first health check passes.
-        envoy.wait_health_flags(upstream_port, "healthy", timeout=30)
+        # A host starts out unhealthy until its first health check passes.
+        for port in ports:
+            envoy.wait_health_flags(port, "healthy", timeout=30)
         yield envoy
     finally:
         proc.terminate()
@@ -230,3 +238,37 @@ def test_drain_takes_the_server_out_of_envoys_rotation(live_server: Any,
             live_server.run(server.stop())
     load = live_server.wait_idle()
     assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
+
+
+def _handled(server: EngineServer, method: str) -> float:
+    """Calls of an EngineService method this server completed (its own metrics)."""
+    return sum(server.registry.get_sample_value("grpc_server_handled_total", {
+        "grpc_type": kind, "grpc_service": "esurge.v1.EngineService", "grpc_method": method,
+        "grpc_code": "OK"}) or 0.0 for kind in ("unary", "server_stream"))
+
+
+def test_two_replicas_behind_envoy(live_server: Any, tmp_path: Path) -> None:
+    """Streams spread over two servers; one drains and leaves rotation; nothing is lost."""
+    first: EngineServer = live_server.run(_start_second_server(live_server.engine))
+    second: EngineServer = live_server.run(_start_second_server(live_server.engine))
+    expected = _direct_tokens(live_server, 24)
+    try:
+        with running_envoy(tmp_path, first.port, second.port) as envoy, \
+                EngineClient(envoy.target, timeout=60) as proxied, \
+                concurrent.futures.ThreadPoolExecutor(8) as pool:
+            def tokens(i: int) -> list[int]:
+                stream = proxied.generate(PROMPT, _greedy(24), request_id=f"two-{i}")
+                return [t for m in stream for t in m.token_ids]
+
+            assert list(pool.map(tokens, range(16))) == [expected] * 16
+            assert _handled(first, "Generate") > 0 and _handled(second, "Generate") > 0
+            assert _handled(first, "Generate") + _handled(second, "Generate") == 16
+            drained = asyncio.run_coroutine_threadsafe(first.drain(30.0), live_server.loop)
+            envoy.wait_health_flags(first.port, "/failed_active_hc", timeout=10)
+            assert drained.result(30) is True
+            before = _handled(second, "Generate")
+            assert list(pool.map(tokens, range(16, 24))) == [expected] * 8
+            assert _handled(second, "Generate") - before == 8
+    finally:
+        live_server.run(second.stop())
+        live_server.run(first.stop())
