@@ -32,6 +32,7 @@ from service.convert import GenerationRequest
 from service.errors import InvalidFieldError, abort_with_status, internal
 from service.errors import invalid_argument as invalid_argument_status
 from service.health import Phase
+from service.kv_events import kv_event_stream
 from service.servicer import EngineServicer
 from service.tokenizer_bundle import CHUNK_BYTES, TokenizerBundle
 from service.vllm_convert import (
@@ -298,10 +299,13 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         """Not offered."""
         return await self._unimplemented(context, "profiling is not offered")
 
-    async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        """Not offered yet: the gateway falls back to polling GetLoads."""
-        await self._unimplemented(context, "KV cache events are not published yet")
-        yield common_pb2.KvEventBatch()  # never reached: makes this a stream handler
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: Any) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The prefix cache's stores and evictions as they happen (until the client leaves)."""
+        engine = (await self.core._bridge_or_abort(context)).engine
+        async for batch in kv_event_stream(engine, request.start_sequence_number,
+                                           request.load_records_before_first_batch):
+            yield batch
 
 
 def _in_protocol_terms(status: status_pb2.Status) -> status_pb2.Status:

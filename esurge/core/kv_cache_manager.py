@@ -189,11 +189,22 @@ class KVCacheManager:
         self._extend_hashes(state, request.all_token_ids, num_full)
         hashes, pool, first = state.hashes, self._pool, state.num_cached
         for g, pages in enumerate(state.pages):
-            for j in range(first, num_full):
-                page_id = pages[j]
-                if page_id != NULL_PAGE:
-                    pool.cache_page(g, hashes[j], page_id)
+            stored = [j for j in range(first, num_full)
+                      if pages[j] != NULL_PAGE and pool.cache_page(g, hashes[j], pages[j])]
+            if stored and pool.events.enabled:
+                self._report_stored(g, stored, hashes, request)
         state.num_cached = num_full
+
+    def _report_stored(self, group: int, stored: list[int], hashes: list[PageHash],
+                       request: EngineRequest) -> None:
+        """One stored event per run of consecutive pages newly in the index."""
+        ps, start, token_ids = self._ps, 0, request.all_token_ids
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                a, b = stored[start], stored[k - 1] + 1
+                self._pool.events.stored(group, hashes[a - 1] if a else None, hashes[a:b],
+                                         token_ids[a * ps:b * ps], ps, request.cache_salt)
+                start = k
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached content; False (nothing changes) while pages are in use."""

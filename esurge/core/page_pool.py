@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
+from esurge.core.kv_events import KVEventLog
 from esurge.core.page_hash import PageHash
 
 __all__ = ["NULL_PAGE", "PagePool"]
@@ -22,7 +23,7 @@ NULL_PAGE = 0
 class PagePool:
     """num_pages pages shared by num_groups cache groups; page 0 is reserved."""
 
-    __slots__ = ("_free", "_group", "_hash", "_index", "_num_pages", "_ref")
+    __slots__ = ("_free", "_group", "_hash", "_index", "_num_pages", "_ref", "events")
 
     def __init__(self, num_pages: int, num_groups: int = 1) -> None:
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 2:
@@ -35,6 +36,8 @@ class PagePool:
         self._num_pages = num_pages
         self._ref = [0] * num_pages
         self._hash: list[PageHash | None] = [None] * num_pages
+        # Stores, evictions and clears, for consumers outside the engine.
+        self.events = KVEventLog()
         self._group = [0] * num_pages
         # Insertion order is eviction order: the front is the least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_pages))
@@ -107,6 +110,7 @@ class PagePool:
             if page_hash is not None:
                 del self._index[self._group[page_id]][page_hash]
                 hashes[page_id] = None
+                self.events.removed(self._group[page_id], page_hash)
             ref[page_id] = 1
             self._group[page_id] = group
             taken.append(page_id)
@@ -159,6 +163,7 @@ class PagePool:
             for page_id in index.values():
                 self._hash[page_id] = None
             index.clear()
+        self.events.cleared()
         return True
 
     def _check_page(self, page_id: int) -> None:

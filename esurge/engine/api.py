@@ -152,7 +152,8 @@ class eSurge:
         core = EngineCore(self.scheduler, self.runner,
                           async_scheduling=self.runner.config.scheduler_config.async_scheduling)
         recorder = StatsRecorder(self.scheduler, lambda: self.runner.spec_stats)
-        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer), recorder)
+        self._loop = EngineLoop(core, OutputProcessor(self.tokenizer), recorder,
+                                self.scheduler.kv_cache_manager.pool.events)
         self._loop.start()
         self._ids = itertools.count()
         self._id_lock = threading.Lock()

@@ -19,7 +19,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from esurge.core.kv_events import KVEventLog
 from esurge.engine.core import EngineCore
+from esurge.engine.kv_event_feed import KVEventFeed
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestDelta, RequestOutput, snapshot
 from esurge.engine.stats import EngineStats, StatsRecorder
@@ -77,7 +79,7 @@ class EngineLoop:
     """Runs EngineCore.step() on a daemon thread while there is work."""
 
     def __init__(self, core: EngineCore, processor: OutputProcessor,
-                 recorder: StatsRecorder) -> None:
+                 recorder: StatsRecorder, kv_log: KVEventLog | None = None) -> None:
         self.core = core
         self.processor = processor
         self._recorder = recorder
@@ -93,6 +95,9 @@ class EngineLoop:
         self._stopping = False
         self.error: BaseException | None = None
         self._finish_listeners: list[FinishListener] = []
+        # The prefix cache's stores and evictions, for cache-aware gateways.
+        self.kv_events = KVEventFeed()
+        self._kv_log = kv_log
 
     def start(self) -> None:
         """Start the loop thread."""
@@ -271,7 +276,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         began = time.perf_counter()
+        if self._kv_log is not None:
+            self.kv_events.prepare(self._kv_log)
         outputs = self.core.step()
+        if self._kv_log is not None:
+            self.kv_events.publish(self._kv_log)
         self._recorder.step_done(time.perf_counter() - began, sum(
             len(o.new_token_ids) for c in outputs.values() for o in c.outputs))
         ready: list[tuple[OutputCallback, RequestOutput | RequestDelta]] = []

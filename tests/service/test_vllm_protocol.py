@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -129,3 +130,37 @@ def test_management_rpcs(stub: Any, live_server: LiveServer) -> None:
     assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
     names = zipfile.ZipFile(io.BytesIO(data)).namelist()
     assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= set(names)
+
+
+def test_kv_events_report_stored_pages(live_server: LiveServer) -> None:
+    page = live_server.engine.config.cache_config.page_size
+    # Three full pages and a partial one, of ids no other test sends (never cached yet).
+    prompt = [int(t) for t in np.random.default_rng(1234).integers(300, 500, 3 * page + 2)]
+    wanted = [prompt[i * page:(i + 1) * page] for i in range(3)]
+    with grpc.insecure_channel(live_server.target) as channel:
+        stub = pb_grpc.VllmEngineStub(channel)
+        events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(
+            load_records_before_first_batch=True), timeout=120)
+        assert next(events).load.load_only  # subscribed: the feed records from now on
+        list(stub.Generate(pb.GenerateRequest(
+            request_id="kv-1", tokenized=pb.TokenizedInput(input_ids=prompt),
+            sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=1)), timeout=60))
+        cleared, mine = False, []
+        for batch in events:  # the stream is bounded by its 120 s deadline
+            for event in batch.events:
+                cleared = cleared or event.WhichOneof("data") == "cleared"
+                if event.WhichOneof("data") == "stored" and any(
+                        list(b.token_ids) in wanted for b in event.stored.blocks):
+                    mine.append(event.stored)
+            if sum(len(s.blocks) for s in mine) >= 3:
+                break
+        events.cancel()
+    assert cleared  # the stream opens with a clear: the subscriber's index starts empty
+    blocks = [b for s in mine for b in s.blocks]
+    assert [list(b.token_ids) for b in blocks] == wanted
+    assert all(b.block_size == page for b in blocks)
+    assert not mine[0].HasField("parent_block_hash")  # the prompt's first page
+    # Each later page chains to the one before it.
+    parents = [s.parent_block_hash for s in mine[1:]]
+    assert parents == [b.block_hash for b in blocks[:len(parents)]] or len(mine) == 1
+    live_server.wait_idle()
