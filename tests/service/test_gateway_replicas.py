@@ -1,6 +1,7 @@
-"""Two replicas behind smg: round robin spreads the load; cache-aware routing
-keeps shared prefixes on one replica (a higher prefix-cache hit rate, from the
-replicas' own metrics, than round robin in the same run); SIGTERM to one
+"""Two replica processes behind smg and behind Envoy: round robin spreads the
+load; cache-aware routing keeps shared prefixes on one replica (a higher
+prefix-cache hit rate, from the replicas' own metrics, than round robin in
+the same run); Envoy's least-request balancing uses both; SIGTERM to one
 replica under load loses nothing and smg stops sending to it."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
+from esurge import SamplingParams
 from tests.service.test_server_cli import ServeProcess
 from tests.service.test_smg_gateway import SMG, _free_port, _http, _model
 
@@ -168,6 +170,25 @@ def test_cache_aware_routing_hits_the_prefix_cache_more(replicas: list[Replica],
         cache_aware = _hit_rate(replicas, port, tokenizer, seed=12)
     print(f"prefix-cache hit rate: round robin {round_robin:.3f}, cache aware {cache_aware:.3f}")
     assert cache_aware > round_robin + 0.05, (round_robin, cache_aware)
+
+
+def test_envoy_spreads_streams_over_both_replicas(replicas: list[Replica],
+                                                  tmp_path: Path) -> None:
+    """Envoy's least-request balancing over the two replica processes, health-checked."""
+    from service.client import EngineClient
+    from tests.service.test_server_envoy import running_envoy
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    before = _served(replicas)
+    with running_envoy(tmp_path, replicas[0].port, replicas[1].port) as envoy, \
+            EngineClient(envoy.target, timeout=120) as proxied, ThreadPoolExecutor(8) as pool:
+        def tokens(i: int) -> list[int]:
+            return [t for m in proxied.generate([5, 6, 7, 8], params) for t in m.token_ids]
+
+        outputs = list(pool.map(tokens, range(16)))
+    spread = [a - b for a, b in zip(_served(replicas), before, strict=True)]
+    assert all(o == outputs[0] and len(o) == 16 for o in outputs)  # same model, same tokens
+    assert sum(spread) == 16 and min(spread) >= 2, spread
 
 
 def _stream(port: int, i: int) -> str:

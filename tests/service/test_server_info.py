@@ -86,13 +86,16 @@ def test_reflection_lists_and_describes_the_services(live_server: Any) -> None:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         asks = [reflection_pb2.ServerReflectionRequest(list_services=""),
                 reflection_pb2.ServerReflectionRequest(
-                    file_containing_symbol="esurge.v1.EngineService")]
-        listed, described = list(stub.ServerReflectionInfo(iter(asks), timeout=10))
+                    file_containing_symbol="esurge.v1.EngineService"),
+                reflection_pb2.ServerReflectionRequest(
+                    file_containing_symbol="vllm.grpc.engine.VllmEngine")]
+        listed, described, vllm = list(stub.ServerReflectionInfo(iter(asks), timeout=10))
     names = {s.name for s in listed.list_services_response.service}
     assert names == {"esurge.v1.EngineService", "grpc.health.v1.Health",
-                     "grpc.reflection.v1alpha.ServerReflection"}
+                     "grpc.reflection.v1alpha.ServerReflection", "vllm.grpc.engine.VllmEngine"}
     files = described.file_descriptor_response.file_descriptor_proto
     assert len(files) >= 1  # esurge/v1/service.proto and the files it imports
+    assert len(vllm.file_descriptor_response.file_descriptor_proto) >= 1
 
 
 def _client_cli(live_server: Any, *args: str) -> subprocess.CompletedProcess[str]:
