@@ -5,9 +5,9 @@
 For each backend and each of two tokenizers it measures:
 
 1. the tokenizer bridge: llguidance.hf.from_tokenizer / xgrammar.TokenizerInfo.from_huggingface;
-2. cold compile of 20 different JSON schemas (nested objects, arrays with
-   minItems/maxItems, enums, integer/number bounds, string patterns,
-   required/optional, $ref/$defs, anyOf), one fresh compiler per schema and no
+2. cold compile of the 20 JSON schemas of tests/structured/cases.py (nested
+   objects, arrays with minItems/maxItems, enums, integer/number bounds, string
+   patterns and formats, required/optional, $ref/$defs, anyOf), one fresh compiler per schema and no
    cache: p50 / p99 / total. llguidance's compile is building an LLMatcher from
    LLMatcher.grammar_from_json_schema; xgrammar's is GrammarCompiler.compile_json_schema
    (cache_enabled=False). Because llguidance computes masks lazily and xgrammar
@@ -68,268 +68,16 @@ ROWS = 32
 
 Schema = dict[str, Any]
 
-# (name, schema, a valid instance); instances list properties in schema order,
-# since both backends keep that order by default.
-SCHEMAS: list[tuple[str, Schema, Any]] = [
-    ("person", {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 40},
-            "age": {"type": "integer", "minimum": 0, "maximum": 150},
-            "email": {"type": "string", "pattern": "^[a-z0-9._]+@[a-z0-9]+\\.[a-z]{2,4}$"},
-            "nickname": {"type": "string"},
-        },
-        "required": ["name", "age"],
-    }, {"name": "Ada Lovelace", "age": 36, "email": "ada.lovelace@math.org"}),
-    ("address", {
-        "type": "object",
-        "properties": {
-            "street": {"type": "string"},
-            "city": {"type": "string"},
-            "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            "country": {"enum": ["FR", "DE", "US", "JP", "BR"]},
-        },
-        "required": ["street", "city", "zip", "country"],
-    }, {"street": "12 Rue de Rivoli", "city": "Paris", "zip": "75001", "country": "FR"}),
-    ("order", {
-        "type": "object",
-        "properties": {
-            "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
-            "items": {
-                "type": "array", "minItems": 1, "maxItems": 10,
-                "items": {
-                    "type": "object",
-                    "properties": {"sku": {"type": "string"},
-                                   "qty": {"type": "integer", "minimum": 1, "maximum": 99}},
-                    "required": ["sku", "qty"],
-                },
-            },
-            "total": {"type": "number", "minimum": 0},
-        },
-        "required": ["order_id", "items", "total"],
-    }, {"order_id": "ORD-004217", "items": [{"sku": "pen-blue", "qty": 3},
-                                            {"sku": "notebook-a5", "qty": 1}], "total": 14.5}),
-    ("tags", {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string"},
-            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 5},
-        },
-        "required": ["title", "tags"],
-    }, {"title": "Grammar constrained decoding", "tags": ["llm", "json", "parsing"]}),
-    ("ticket", {
-        "type": "object",
-        "properties": {
-            "status": {"enum": ["open", "pending", "resolved", "closed"]},
-            "priority": {"enum": [1, 2, 3, 4]},
-            "component": {"type": "string", "enum": ["api", "scheduler", "kv-cache", "sampler"]},
-            "summary": {"type": "string", "maxLength": 120},
-        },
-        "required": ["status", "priority", "component", "summary"],
-    }, {"status": "pending", "priority": 2, "component": "kv-cache",
-        "summary": "Block table grows without bound under preemption"}),
-    ("tree", {
-        "$defs": {"node": {
-            "type": "object",
-            "properties": {"value": {"type": "integer"},
-                           "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
-            "required": ["value", "children"],
-        }},
-        "$ref": "#/$defs/node",
-    }, {"value": 1, "children": [{"value": 2, "children": []},
-                                 {"value": 3, "children": [{"value": 4, "children": []}]}]}),
-    ("shape", {
-        "anyOf": [
-            {"type": "object", "properties": {"kind": {"const": "circle"},
-                                              "radius": {"type": "number", "minimum": 0}},
-             "required": ["kind", "radius"]},
-            {"type": "object", "properties": {"kind": {"const": "rect"},
-                                              "width": {"type": "number"},
-                                              "height": {"type": "number"}},
-             "required": ["kind", "width", "height"]},
-        ],
-    }, {"kind": "rect", "width": 3.5, "height": 12}),
-    ("event", {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-            "start": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
-            "duration_min": {"type": "integer", "minimum": 5, "maximum": 480},
-            "online": {"type": "boolean"},
-        },
-        "required": ["name", "date", "start", "duration_min"],
-    }, {"name": "Design review", "date": "2025-03-14", "start": "09:30", "duration_min": 45,
-        "online": True}),
-    ("matrix", {
-        "type": "object",
-        "properties": {
-            "rows": {"type": "array", "minItems": 2, "maxItems": 4,
-                     "items": {"type": "array", "minItems": 3, "maxItems": 3,
-                               "items": {"type": "number"}}},
-        },
-        "required": ["rows"],
-    }, {"rows": [[1.0, 0.5, -2.25], [0, 3, 4.75], [7.5, 8, 9]]}),
-    ("config", {
-        "type": "object",
-        "properties": {
-            "debug": {"type": "boolean"},
-            "log_file": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-            "workers": {"type": "integer", "minimum": 1, "maximum": 64},
-            "timeout_s": {"type": "number", "minimum": 0.1, "maximum": 600},
-            "mode": {"enum": ["fast", "balanced", "safe"]},
-        },
-        "required": ["debug", "log_file", "workers"],
-    }, {"debug": False, "log_file": None, "workers": 8, "timeout_s": 30.5, "mode": "balanced"}),
-    ("catalog", {
-        "$defs": {
-            "price": {"type": "object",
-                      "properties": {"amount": {"type": "number", "minimum": 0},
-                                     "currency": {"enum": ["EUR", "USD", "JPY"]}},
-                      "required": ["amount", "currency"]},
-            "product": {"type": "object",
-                        "properties": {"name": {"type": "string"},
-                                       "price": {"$ref": "#/$defs/price"},
-                                       "in_stock": {"type": "boolean"}},
-                        "required": ["name", "price", "in_stock"]},
-        },
-        "type": "object",
-        "properties": {"products": {"type": "array", "items": {"$ref": "#/$defs/product"},
-                                    "minItems": 1, "maxItems": 8}},
-        "required": ["products"],
-    }, {"products": [{"name": "kettle", "price": {"amount": 29.9, "currency": "EUR"},
-                      "in_stock": True},
-                     {"name": "teapot", "price": {"amount": 3500, "currency": "JPY"},
-                      "in_stock": False}]}),
-    ("tool_call", {
-        "type": "object",
-        "properties": {
-            "name": {"enum": ["search_web", "get_weather", "run_sql", "send_email"]},
-            "arguments": {
-                "type": "object",
-                "properties": {"query": {"type": "string", "maxLength": 64},
-                               "limit": {"type": "integer", "minimum": 1, "maximum": 100}},
-                "required": ["query"],
-            },
-        },
-        "required": ["name", "arguments"],
-    }, {"name": "search_web", "arguments": {"query": "jax pallas paged attention", "limit": 5}}),
-    ("log_entry", {
-        "type": "object",
-        "properties": {
-            "level": {"enum": ["DEBUG", "INFO", "WARNING", "ERROR"]},
-            "message": {"type": "string", "minLength": 1, "maxLength": 200},
-            "ts": {"type": "integer", "minimum": 0},
-            "context": {"type": "object", "additionalProperties": {"type": "string"}},
-        },
-        "required": ["level", "message", "ts"],
-    }, {"level": "WARNING", "message": "request 17 preempted: out of KV blocks",
-        "ts": 1718000000, "context": {"request": "17", "blocks": "0"}}),
-    ("polygon", {
-        "type": "object",
-        "properties": {
-            "points": {"type": "array", "minItems": 3, "maxItems": 8, "items": {
-                "type": "object",
-                "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90},
-                               "lon": {"type": "number", "minimum": -180, "maximum": 180}},
-                "required": ["lat", "lon"]}},
-        },
-        "required": ["points"],
-    }, {"points": [{"lat": 48.85, "lon": 2.35}, {"lat": 51.5, "lon": -0.12},
-                   {"lat": 40.71, "lon": -74.0}]}),
-    ("settings", {
-        "type": "object",
-        "properties": {
-            "user": {"type": "object", "properties": {
-                "id": {"type": "integer"},
-                "prefs": {"type": "object", "properties": {
-                    "theme": {"enum": ["light", "dark"]},
-                    "notifications": {"type": "object", "properties": {
-                        "email": {"type": "boolean"}, "push": {"type": "boolean"}},
-                        "required": ["email", "push"]}},
-                    "required": ["theme", "notifications"]}},
-                "required": ["id", "prefs"]},
-        },
-        "required": ["user"],
-    }, {"user": {"id": 42, "prefs": {"theme": "dark",
-                                     "notifications": {"email": True, "push": False}}}}),
-    ("invoice", {
-        "$defs": {"line": {"type": "object",
-                           "properties": {"desc": {"type": "string"},
-                                          "qty": {"type": "integer", "minimum": 1},
-                                          "unit_price": {"type": "number", "minimum": 0}},
-                           "required": ["desc", "qty", "unit_price"]}},
-        "type": "object",
-        "properties": {
-            "number": {"type": "integer", "minimum": 1000, "maximum": 999999},
-            "lines": {"type": "array", "items": {"$ref": "#/$defs/line"}, "minItems": 1},
-            "discount": {"anyOf": [
-                {"type": "object", "properties": {"percent": {"type": "integer", "minimum": 0,
-                                                              "maximum": 100}},
-                 "required": ["percent"]},
-                {"type": "object", "properties": {"amount": {"type": "number"}},
-                 "required": ["amount"]}]},
-        },
-        "required": ["number", "lines"],
-    }, {"number": 20417, "lines": [{"desc": "consulting", "qty": 3, "unit_price": 120.0}],
-        "discount": {"percent": 10}}),
-    ("identifiers", {
-        "type": "object",
-        "properties": {
-            "uuid": {"type": "string", "pattern":
-                     "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"},
-            "version": {"type": "string", "pattern": "^[0-9]+\\.[0-9]+\\.[0-9]+$"},
-            "color": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"},
-        },
-        "required": ["uuid", "version", "color"],
-    }, {"uuid": "3f2b8c1e-9a4d-4e7b-8c2f-1d0e5a6b7c8d", "version": "1.9.1",
-        "color": "#1a2B3c"}),
-    ("meeting", {
-        "type": "object",
-        "properties": {
-            "topic": {"type": "string"},
-            "attendees": {"type": "array", "minItems": 1, "maxItems": 6, "items": {
-                "type": "string", "pattern": "^[a-z]+@example\\.com$"}},
-            "room": {"type": "integer", "minimum": 100, "maximum": 999},
-        },
-        "required": ["topic", "attendees"],
-    }, {"topic": "quarterly planning", "attendees": ["alice@example.com", "bob@example.com"],
-        "room": 204}),
-    ("query", {
-        "type": "object",
-        "properties": {
-            "table": {"enum": ["users", "orders", "products"]},
-            "columns": {"type": "array", "minItems": 1, "maxItems": 4,
-                        "items": {"enum": ["id", "name", "price", "created_at"]}},
-            "where": {"anyOf": [{"type": "null"}, {
-                "type": "object",
-                "properties": {"column": {"type": "string"},
-                               "op": {"enum": ["=", "<", ">", "!="]},
-                               "value": {"anyOf": [{"type": "string"}, {"type": "number"}]}},
-                "required": ["column", "op", "value"]}]},
-            "limit": {"type": "integer", "minimum": 1, "maximum": 1000},
-        },
-        "required": ["table", "columns", "where", "limit"],
-    }, {"table": "orders", "columns": ["id", "price"],
-        "where": {"column": "price", "op": ">", "value": 100}, "limit": 50}),
-    ("recipe", {
-        "type": "object",
-        "properties": {
-            "title": {"type": "string"},
-            "servings": {"type": "integer", "minimum": 1, "maximum": 20},
-            "ingredients": {"type": "array", "minItems": 1, "items": {
-                "type": "object",
-                "properties": {"name": {"type": "string"}, "amount": {"type": "number"},
-                               "unit": {"enum": ["g", "ml", "tsp", "tbsp", "piece"]}},
-                "required": ["name", "amount", "unit"]}},
-            "steps": {"type": "array", "minItems": 1, "items": {"type": "string"}},
-        },
-        "required": ["title", "servings", "ingredients", "steps"],
-    }, {"title": "Pancakes", "servings": 4,
-        "ingredients": [{"name": "flour", "amount": 250, "unit": "g"},
-                        {"name": "milk", "amount": 500, "unit": "ml"}],
-        "steps": ["Whisk everything.", "Fry in a hot pan."]}),
-]
+def _corpus() -> list[tuple[str, Schema, Any]]:
+    """(name, schema, a valid instance) of the test corpus's 20 schemas
+    (tests/structured/cases.py); instances list properties in schema order,
+    which both backends keep by default."""
+    from tests.structured.cases import EXAMPLES, JSON_SCHEMAS
+
+    return [(name, schema, json.loads(EXAMPLES[name])) for name, schema in JSON_SCHEMAS.items()]
+
+
+SCHEMAS = _corpus()
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -625,7 +373,8 @@ def measure_variant(backend: Backend, variant: MaskVariant, compiled: list[Any],
 def instance_tokens(hf_tokenizer: Any) -> list[list[int]]:
     """Each schema's instance as the tokenizer encodes it, then EOS."""
     eos = hf_tokenizer.eos_token_id
-    return [[*hf_tokenizer(json.dumps(instance), add_special_tokens=False).input_ids, eos]
+    return [[*hf_tokenizer(json.dumps(instance, separators=(",", ":")),
+                           add_special_tokens=False).input_ids, eos]
             for _, _, instance in SCHEMAS]
 
 
