@@ -117,9 +117,9 @@ class GrammarMatcher:
         self.fill(rows[0])
         consumed = 0
         for j, token in enumerate(drafts):
-            if token in self.stop_ids or self._matcher.validate_tokens([int(token)]) != 1:
+            # try_consume refuses without entering the error state: one call, not two.
+            if token in self.stop_ids or self._matcher.try_consume_tokens([int(token)]) != 1:
                 break
-            self._matcher.consume_token(int(token))
             consumed += 1
             self.fill(rows[j + 1])
         if consumed:
