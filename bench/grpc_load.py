@@ -19,7 +19,7 @@ load-generating clients run in this process, on the same cores: wall
 tokens/s is shared with them, server CPU per token is not.
 Both engines share a JAX compilation cache, so the server warms up quickly.
 
-    .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--keep DIR]
+    .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--decode-steps K] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -83,12 +83,14 @@ def w1_prompts(model_dir: Path) -> list[list[int]]:
     return prompts
 
 
-def engine_config() -> object:
-    """The Config the CLI builds from ENGINE_FLAGS (one source of truth)."""
-    from service.cli_args import build_config, build_parser
+def engine_setup(flags: list[str]) -> tuple[object, object]:
+    """The Config and EngineSettings the CLI builds from these flags (one source of truth)."""
+    from service.cli_args import build_config, build_parser, build_settings
 
-    args = build_parser().parse_args(["--model", str(REPO), *ENGINE_FLAGS])
-    return build_config(args, 2048)
+    args = build_parser().parse_args(["--model", str(REPO), *flags])
+    config = build_config(args, 2048)
+    assert config is not None
+    return config, build_settings(args, config)
 
 
 @dataclass
@@ -167,11 +169,12 @@ async def over_grpc(target: str, requests: list[list[int]], clients: int) -> Res
     return result
 
 
-def start_server(model_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+def start_server(model_dir: Path, env: dict[str, str], flags: list[str]
+                 ) -> tuple[subprocess.Popen[str], str]:
     """`python -m service` on a free port; returns once it reports SERVING."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "--model", str(model_dir), "--port", "0",
-         "--log-level", "info", *ENGINE_FLAGS], cwd=REPO, env=env, text=True,
+         "--log-level", "info", *flags], cwd=REPO, env=env, text=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     port = None
@@ -236,6 +239,8 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, default=None,
                         help="build the model (and the JAX cache) here and keep them "
                              "(default: a temp dir)")
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="decode bursts for both engines (esurge-serve --decode-steps)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per client count; the best is reported")
     args = parser.parse_args()
@@ -251,10 +256,13 @@ def main() -> None:
         prompts = w1_prompts(model_dir)
         from esurge.engine.api import eSurge
 
-        engine = eSurge(model_dir, engine_config(), show_progress=False)  # type: ignore[arg-type]
+        flags = [*ENGINE_FLAGS, "--decode-steps", str(args.decode_steps)]
+        config, settings = engine_setup(flags)
+        engine = eSurge(model_dir, config, settings=settings,  # type: ignore[arg-type]
+                        show_progress=False)
         print(f"model ready, warm-up {engine.warmup_seconds:.1f}s; W1: {len(prompts)} prompts "
               f"of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
-        proc, target = start_server(model_dir, env)
+        proc, target = start_server(model_dir, env, flags)
         try:
             local, remote = measure(engine, target, proc.pid, prompts, counts, args.repeats)
         finally:

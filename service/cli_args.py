@@ -23,6 +23,7 @@ from pathlib import Path
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from esurge.errors import InvalidConfigError
 from esurge.packaged import DEFAULT_MODEL, PACKAGED_MODELS
+from esurge.settings import SERVING_DTYPES, EngineSettings
 
 __all__ = [
     "CHUNKED_BATCH_TOKENS",
@@ -54,6 +55,9 @@ CONFIG_FIELD_FLAGS: dict[str, str] = {
     "enable_prefix_caching": "--enable-prefix-caching",
     "num_speculative_tokens": "--num-speculative-tokens",
     "speculative_model": "--speculative-model",
+    "dtype": "--dtype",
+    "memory_fraction": "--memory-fraction",
+    "decode_steps": "--decode-steps",
 }
 
 
@@ -133,7 +137,7 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
                             "(default: %(default)s)")
     group.add_argument("--port", type=_port, default=50051,
                        help="port to listen on, 0 picks a free one (default: %(default)s)")
-    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+    group.add_argument("--dtype", choices=("auto", *SERVING_DTYPES),
                        default="auto",
                        help="weight and activation dtype; auto: the checkpoint's own where "
                             "this backend runs it fast, float32 on CPU (default: %(default)s)")
@@ -200,6 +204,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("KV cache")
     cache.add_argument("--num-pages", type=_int_at_least(1), default=None,
                        help="KV pages in the pool (default: sized from free memory)")
+    cache.add_argument("--memory-fraction", type=float, default=EngineSettings().memory_fraction,
+                       help="share of free device memory the KV pool may take when "
+                            "--num-pages is not given, in (0, 1] (default: %(default)s)")
     cache.add_argument("--page-size", type=_int_at_least(1), default=16,
                        help="tokens per KV page (default: %(default)s)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -249,9 +256,6 @@ def _resolve_max_model_len(args: argparse.Namespace, model_max_len: int | None) 
 
 def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     model = args.speculative_model
-    if args.decode_steps > 1 and (model is not None or args.num_speculative_tokens > 0):
-        raise FlagError("--decode-steps", f"{args.decode_steps} iterations per step cannot be "
-                        "combined with speculative decoding")
     if model is None and args.num_speculative_tokens > 0:
         # Without a draft model the engine would not speculate: refuse rather than ignore.
         raise FlagError("--num-speculative-tokens",
@@ -301,6 +305,22 @@ def build_config(args: argparse.Namespace, model_max_len: int | None) -> Config 
         raise FlagError(CONFIG_FIELD_FLAGS.get(err.field), str(err)) from err
 
 
+def build_settings(args: argparse.Namespace, config: Config) -> EngineSettings:
+    """The engine settings beside the Config, from parsed flags.
+
+    A value EngineSettings refuses (or decode bursts with speculation)
+    raises FlagError naming the flag that set it.
+    """
+    try:
+        settings = EngineSettings().with_overrides(
+            dtype=args.dtype, memory_fraction=args.memory_fraction,
+            decode_steps=args.decode_steps)
+        settings.check_speculation(config.num_speculative_tokens)
+    except InvalidConfigError as err:
+        raise FlagError(CONFIG_FIELD_FLAGS.get(err.field), str(err)) from err
+    return settings
+
+
 def config_or_exit(
     parser: argparse.ArgumentParser, args: argparse.Namespace, model_max_len: int | None
 ) -> Config:
@@ -313,3 +333,12 @@ def config_or_exit(
         parser.error("argument --max-model-len: required, the model's config.json states "
                      "no maximum sequence length")
     return config
+
+
+def settings_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     config: Config) -> EngineSettings:
+    """`build_settings`, reporting problems through `parser.error` (exit status 2)."""
+    try:
+        return build_settings(args, config)
+    except FlagError as err:
+        parser.error(str(err))

@@ -17,7 +17,7 @@ the target's hidden states computed by the engine's own jitted forward over
 a paged cache, so they are exactly what the head sees at inference.
 
 The head is trained with the drafting unrolled --unroll steps (see
-esurge/spec_decode/training.py), with AdamW on a warmup + cosine schedule,
+tools/eagle_training.py), with AdamW on a warmup + cosine schedule,
 and saved as a Hugging Face style directory (config.json, model.safetensors
 with d2t/t2d for EAGLE-3). --eval-prompts N then measures the mean
 acceptance length through the engine on held-out prompts and records it in
@@ -51,7 +51,7 @@ from esurge.runner.device_step import model_step_features  # noqa: E402
 from esurge.spec_decode.checkpoint import eagle_config_dict, save_eagle_head  # noqa: E402
 from esurge.spec_decode.config import EagleConfig, EagleLayout  # noqa: E402
 from esurge.spec_decode.head import EagleState, init_head  # noqa: E402
-from esurge.spec_decode.training import LossWeights, make_train_step  # noqa: E402
+from tools.eagle_training import LossWeights, make_train_step  # noqa: E402
 from tools.lm_data import read_texts, split_files, token_stream  # noqa: E402
 from tools.tokenizer_training import stdlib_files  # noqa: E402
 

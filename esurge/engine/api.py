@@ -31,6 +31,7 @@ from esurge.packaged import resolve_model_path
 from esurge.runner.runner import eSurgeRunner
 from esurge.sampling_params import SamplingParams
 from esurge.scheduler.scheduler import Scheduler
+from esurge.settings import EngineSettings
 from esurge.structured_output.engine import StructuredOutputs
 
 __all__ = ["default_config", "eSurge"]
@@ -113,8 +114,11 @@ class eSurge:
     model_dir is an HF checkpoint directory (config.json, *.safetensors and,
     optionally, tokenizer.json) or a single .gguf file; without a tokenizer,
     prompts must be token ids. config None derives one from the checkpoint
-    (see default_config). dtype "auto" picks the checkpoint's precision where
-    this backend runs it fast (float32 on CPU; esurge.models.loader.resolve_dtype).
+    (see default_config). The settings beside it (dtype, memory_fraction,
+    min_token_bucket, decode_steps: `esurge.settings.EngineSettings`) come from
+    `settings`, each keyword argument given overriding it. dtype "auto" picks
+    the checkpoint's precision where this backend runs it fast (float32 on
+    CPU; esurge.models.loader.resolve_dtype).
     decode_steps > 1 lets a step run that many decode iterations when every
     running request decodes with no per-token sampling state (no penalties,
     masks or logprobs) and no waiting request could start
@@ -123,26 +127,28 @@ class eSurge:
     """
 
     def __init__(self, model_dir: str | Path, config: Config | None = None,
-                 dtype: str = "auto", *, tokenizer_dir: str | Path | None = None,
-                 memory_fraction: float = 0.25, warmup: bool = True,
-                 show_progress: bool = True, min_token_bucket: int = 16,
-                 decode_steps: int = 1) -> None:
-        self.model = load_model(resolve_model_path(model_dir), dtype)
+                 dtype: str | None = None, *, settings: EngineSettings | None = None,
+                 tokenizer_dir: str | Path | None = None, memory_fraction: float | None = None,
+                 warmup: bool = True, show_progress: bool = True,
+                 min_token_bucket: int | None = None, decode_steps: int | None = None) -> None:
+        # One override path: the keyword arguments given (not None) over `settings`.
+        self.settings = (settings or EngineSettings()).with_overrides(
+            dtype=dtype, memory_fraction=memory_fraction, min_token_bucket=min_token_bucket,
+            decode_steps=decode_steps)
+        self.model = load_model(resolve_model_path(model_dir), self.settings.dtype)
         self.config = config if config is not None else default_config(self.model)
         self._check_config(self.config)
         self.tokenizer, self.chat_template = _load_tokenizer(
             self.model, Path(tokenizer_dir) if tokenizer_dir else None)
         self.grammars = StructuredOutputs(self.tokenizer, self.model.vocab_size,
                                           self.model.eos_token_ids)
-        self.runner = eSurgeRunner(self.model, _effective_config(self.config),
-                                   memory_fraction=memory_fraction,
-                                   min_token_bucket=min_token_bucket, decode_steps=decode_steps)
+        self.runner = eSurgeRunner(self.model, _effective_config(self.config), self.settings)
         self.scheduler = Scheduler.from_runner(
             self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
-        if decode_steps > 1:
+        if self.settings.decode_steps > 1:
             log.info("decode bursts: up to %d decode iterations per step while every running "
                      "request decodes without per-token sampling state and no waiting "
-                     "request could start", decode_steps)
+                     "request could start", self.settings.decode_steps)
         self.warmup_seconds = (self.runner.warmup(_print_progress if show_progress else None)
                                if warmup else 0.0)
         sched = self.config.scheduler_config

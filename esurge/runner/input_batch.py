@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from esurge.models.kv_cache import NULL_PAGE
 from esurge.runner.sampling_batch import SamplingBatch
 from esurge.sampling_params import SamplingParams
-from esurge.scheduler.output import NewRequestData
+from esurge.scheduler.output import NewRequestData, SchedulerOutput
 
 __all__ = ["InputBatch"]
 
@@ -60,10 +61,30 @@ class InputBatch:
         self.num_prompt[row] = len(new.prompt_token_ids)
         self.num_computed[row] = new.num_computed_tokens
         self.num_pages[:, row] = 0
+        # A reused row must not show its last request's pages past this one's.
+        self.page_tables[:, row] = NULL_PAGE
         self.append_pages(row, new.page_ids)
         self.sampling.set_row(row, new.sampling_params, list(new.prompt_token_ids),
                               list(new.output_token_ids), new.eos_token_id)
         return row
+
+    def apply(self, so: SchedulerOutput) -> set[str]:
+        """Apply a step's schedule: drop the requests that left, update the cached
+        ones, add the new ones. Returns the ids of the rows dropped (a request
+        sent again as new, after preemption, is among them)."""
+        gone = so.finished_req_ids | so.preempted_req_ids
+        gone.update(new.req_id for new in so.scheduled_new_reqs if new.req_id in self.row_of)
+        self.remove(gone)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            row = self.row_of[req_id]
+            pages = cached.new_page_ids[i]
+            if pages is not None:
+                self.append_pages(row, pages)
+            self.num_computed[row] = cached.num_computed_tokens[i]
+        for new in so.scheduled_new_reqs:
+            self.add(new)
+        return gone
 
     def append_pages(self, row: int, page_ids: tuple[tuple[int, ...], ...]) -> None:
         """Extend a row's page table of each group."""

@@ -32,21 +32,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from esurge.request import EngineRequest
+from esurge.settings import EngineSettings
 
 __all__ = ["DecodeBurstPolicy", "check_decode_steps"]
 
 
 def check_decode_steps(decode_steps: object, num_speculative_tokens: int) -> int:
-    """decode_steps as an int >= 1; ValueError naming it otherwise, or when it
-    is combined with speculative decoding (a step verifies drafts or bursts)."""
-    if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 1:
-        raise ValueError(f"decode_steps must be an int >= 1, got {decode_steps!r}")
-    if decode_steps > 1 and num_speculative_tokens:
-        raise ValueError(
-            f"decode_steps={decode_steps} with speculative decoding (num_speculative_tokens="
-            f"{num_speculative_tokens}) is not supported: a step either verifies drafts or "
-            "runs a decode burst")
-    return decode_steps
+    """decode_steps as an int >= 1; InvalidConfigError naming it otherwise, or when
+    it is combined with speculative decoding (a step verifies drafts or bursts)."""
+    settings = EngineSettings(decode_steps=decode_steps)  # type: ignore[arg-type]
+    settings.check_speculation(num_speculative_tokens)
+    return settings.decode_steps
 
 
 class DecodeBurstPolicy:

@@ -4,13 +4,36 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import Protocol
 
+from esurge.config import Config
+from esurge.core.kv_cache_spec import CacheGroupsConfig
 from esurge.engine_types import EngineCoreOutputs
 from esurge.outputs import ModelRunnerOutput
 from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.scheduler.output import SchedulerOutput
 
-__all__ = ["SchedulerInterface"]
+__all__ = ["SchedulerInterface", "SchedulerSource"]
+
+
+class SchedulerSource(Protocol):
+    """What `Scheduler.from_runner` reads from a runner (eSurgeRunner has it all)."""
+
+    @property
+    def config(self) -> Config:
+        """The engine configuration the runner was built for."""
+
+    @property
+    def cache_groups(self) -> CacheGroupsConfig:
+        """The runner's KV cache groups over the page pool it allocated."""
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the runner's buckets and page tables hold."""
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode iterations per burst the runner compiled (1: no bursts)."""
 
 
 class SchedulerInterface(ABC):

@@ -30,11 +30,10 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
 
 from esurge.config import Config, SchedulingPolicy
 from esurge.core.kv_cache_manager import KVCacheManager
-from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
+from esurge.core.kv_cache_spec import CacheGroupsConfig
 from esurge.engine_types import EngineCoreEventType, EngineCoreOutputs
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.outputs import ModelRunnerOutput
@@ -42,7 +41,7 @@ from esurge.request import EngineRequest, EngineRequestStatus
 from esurge.scheduler.admission import check_fits
 from esurge.scheduler.buckets import SeqBuckets
 from esurge.scheduler.decode_burst import DecodeBurstPolicy, check_decode_steps
-from esurge.scheduler.interface import SchedulerInterface
+from esurge.scheduler.interface import SchedulerInterface, SchedulerSource
 from esurge.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from esurge.scheduler.request_queue import create_request_queue, priority_key
 from esurge.scheduler.step_plan import StepPlan
@@ -122,20 +121,19 @@ class Scheduler(SchedulerInterface):
         self._finished_outside: list[EngineRequest] = []
 
     @classmethod
-    def from_runner(cls, runner: Any, max_num_batched_tokens: int | None = None,
+    def from_runner(cls, runner: SchedulerSource, max_num_batched_tokens: int | None = None,
                     enable_prefix_caching: bool = True) -> Scheduler:
         """A scheduler for a runner's model and page pool.
 
-        Assumes the runner exposes `config` (the engine Config), `hf_config`
-        (a transformers config), `num_pages` (the decided pool size), `kv_dtype`
-        (e.g. 'bfloat16') and `max_model_len`. Cache groups (full, sliding
-        window, chunked local) come from `cache_groups_from_hf_config`.
-        max_num_batched_tokens None keeps the budget of runner.config (the
-        engine sets it to max_model_len unless told otherwise); the runner's
-        max_model_len, num_pages and enable_prefix_caching override the config.
-        A runner's `decode_steps` (1 when it has none) is taken over.
+        The cache groups are the runner's own (detected from the model's
+        attention types when it was loaded: full, sliding window, chunked
+        local), over the page pool it allocated. max_num_batched_tokens None
+        keeps the budget of runner.config (the engine sets it to max_model_len
+        unless told otherwise); the runner's max_model_len, page count and
+        decode_steps, and enable_prefix_caching, override the config.
         """
-        config: Config = runner.config
+        config = runner.config
+        groups = runner.cache_groups
         sched = replace(
             config.scheduler_config,
             max_model_len=int(runner.max_model_len),
@@ -143,12 +141,10 @@ class Scheduler(SchedulerInterface):
                                     if max_num_batched_tokens is None
                                     else max_num_batched_tokens),
         )
-        cache = replace(config.cache_config, num_pages=int(runner.num_pages),
+        cache = replace(config.cache_config, num_pages=groups.num_pages,
                         enable_prefix_caching=enable_prefix_caching)
-        groups = cache_groups_from_hf_config(runner.hf_config, int(runner.num_pages),
-                                             cache.page_size, str(runner.kv_dtype))
         return cls(replace(config, scheduler_config=sched, cache_config=cache), groups,
-                   decode_steps=int(getattr(runner, "decode_steps", 1)))
+                   decode_steps=runner.decode_steps)
 
     # ---- requests in and out ---------------------------------------------------
 

@@ -31,6 +31,7 @@ class GrammarBatch:
         self.words = mask_words(vocab_size)
         self._matchers: dict[str, GrammarMatcher] = {}
         self._executor: llguidance.LLExecutor | None = None
+        self._all_allowed: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -53,6 +54,15 @@ class GrammarBatch:
         """Forget finished or preempted requests."""
         for req_id in req_ids:
             self._matchers.pop(req_id, None)
+
+    def all_allowed(self, rows: int) -> np.ndarray:
+        """[rows, words] int32 masks allowing every token (shared, read-only)."""
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            mask = np.full((rows, self.words), -1, np.int32)
+            mask.flags.writeable = False
+            self._all_allowed[rows] = mask
+        return mask
 
     def any_in(self, req_ids: Sequence[str]) -> bool:
         """True when a request of the list is constrained."""

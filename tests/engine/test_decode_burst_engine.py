@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from esurge import SamplingParams, eSurge
+from esurge.errors import InvalidConfigError
 from esurge.runner.device_step import decode_burst_step, model_step, sample_step
+from esurge.runner.steps.base import WarmupPlan
+from esurge.runner.steps.padding import with_tiles
+from esurge.runner.warmup import warmup_programs
 from tests.engine.conftest import NEW_TOKENS, engine_config, mixed_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -154,9 +158,10 @@ def test_no_compile_after_warmup(burst_engine: eSurge) -> None:
 
 @pytest.mark.parametrize("bad", [0, 2.5, True])
 def test_decode_steps_is_validated(tiny_llama_dir: Path, bad: object) -> None:
-    with pytest.raises(ValueError, match="decode_steps"):
+    with pytest.raises(InvalidConfigError) as info:
         eSurge(tiny_llama_dir, engine_config(), show_progress=False, warmup=False,
                decode_steps=bad)  # type: ignore[arg-type]
+    assert info.value.field == "decode_steps"
 
 
 def test_async_logprobs_keep_one_entry_per_token(burst_engine: eSurge) -> None:
@@ -172,3 +177,19 @@ def test_async_logprobs_keep_one_entry_per_token(burst_engine: eSurge) -> None:
     assert [entry.token_ids[0] for entry in sample.logprobs] == sample.token_ids
     alone = burst_engine.generate([[10, 11, 12, 13]], long)[0].outputs[0]
     assert [e.token_ids for e in alone.logprobs] == [e.token_ids for e in sample.logprobs]
+
+
+def test_warm_up_lists_every_kinds_programs_once(burst_engine: eSurge) -> None:
+    runner = burst_engine.runner
+    assert [kind.name for kind in runner.step_kinds] == ["decode burst", "greedy", "sampled"]
+    plan = WarmupPlan(runner.buckets.shapes(), runner.sampler_variants())
+    labels = [p.label for p in warmup_programs(runner, plan)]
+    assert len(labels) == len(set(labels))
+    fresh = WarmupPlan(runner.buckets.shapes(), runner.sampler_variants())
+    for kind in runner.step_kinds:  # each kind alone lists what it runs
+        alone = WarmupPlan(runner.buckets.shapes(), runner.sampler_variants())
+        assert kind.programs(alone), kind.name
+    # The model step is shared by the greedy and sampled kinds: listed once.
+    shared = [p.label for k in runner.step_kinds for p in k.programs(fresh)]
+    assert sum(label.startswith("model step") for label in shared) == len(
+        with_tiles(runner.buckets.shapes(), runner.tiled_attention))

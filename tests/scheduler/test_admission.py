@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from esurge.core import SlidingWindowSpec
+from esurge.core.kv_cache_spec import cache_groups_from_hf_config
 from esurge.engine_types import EngineCoreEventType
 from esurge.errors import InvalidRequestError
 from esurge.request import EngineRequestStatus
@@ -91,7 +92,7 @@ def test_constructor_validation() -> None:
     assert isinstance(Scheduler(config, groups), SchedulerInterface)
 
 
-def test_from_runner_builds_groups_from_the_hf_config() -> None:
+def test_from_runner_takes_the_runners_cache_groups() -> None:
     from transformers import MistralConfig
 
     hf = MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
@@ -99,14 +100,17 @@ def test_from_runner_builds_groups_from_the_hf_config() -> None:
                        sliding_window=16)
     config, _ = make_config(page_size=4, num_pages=64, max_model_len=64,
                             max_num_batched_tokens=64)
-    runner = SimpleNamespace(config=config, hf_config=hf, num_pages=33, kv_dtype="bfloat16",
-                             max_model_len=48)
+    # What eSurgeRunner holds: the groups the loader detected from the model's config.
+    groups = cache_groups_from_hf_config(hf, 33, 4, "bfloat16")
+    runner = SimpleNamespace(config=config, cache_groups=groups, max_model_len=48,
+                             decode_steps=1)
     s = Scheduler.from_runner(runner, max_num_batched_tokens=96, enable_prefix_caching=False)
     kv = s.kv_cache_manager
     assert (kv.num_usable_pages, kv.num_groups, kv.page_size) == (32, 1, 4)
     assert (s.max_model_len, s.max_num_batched_tokens) == (48, 96)
     assert s.config.cache_config.num_pages == 33
     assert s.config.cache_config.enable_prefix_caching is False
+    assert s.kv_cache_config is groups
     (group,) = s.kv_cache_config.groups
     assert group.layer_ids == (0, 1)
     assert group.spec == SlidingWindowSpec(page_size=4, num_kv_heads=2, head_dim=8,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from esurge.engine_types import FinishReason
+from esurge.errors import InvalidConfigError
 from esurge.outputs import ModelRunnerOutput
 from tests.scheduler.fakes import (
     FakeRunner,
@@ -211,10 +212,13 @@ def test_more_tokens_than_the_burst_is_an_error() -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.0, "4"])
 def test_decode_steps_is_validated(bad: object) -> None:
-    with pytest.raises(ValueError, match="decode_steps"):
+    with pytest.raises(InvalidConfigError) as info:
         make_scheduler(decode_steps=bad)  # type: ignore[arg-type]
+    assert info.value.field == "decode_steps"
 
 
 def test_bursts_with_speculation_are_refused() -> None:
-    with pytest.raises(ValueError, match="decode_steps=4 with speculative decoding"):
+    with pytest.raises(InvalidConfigError, match="decode_steps=4 with speculative decoding"
+                       ) as info:
         make_scheduler(decode_steps=4, num_spec=2)
+    assert info.value.field == "decode_steps"

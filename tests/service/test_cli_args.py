@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.settings import EngineSettings
 from service.cli_args import (
     FlagError,
     build_config,
     build_parser,
+    build_settings,
     config_or_exit,
     parse_args,
 )
@@ -108,6 +110,7 @@ def test_chunked_prefill_defaults_to_a_smaller_batch_budget(model_dir: Path) -> 
          "argument --grace-period: must be a finite number of seconds >= 0, got 'inf'"),
         (["--port", "70000"], "argument --port: must be a port in [0, 65535], got '70000'"),
         (["--policy", "lifo"], "argument --policy: invalid choice: 'lifo'"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--speculative-model", "/no/such/dir"],
          "argument --speculative-model: no such directory: '/no/such/dir'"),
     ],
@@ -163,8 +166,6 @@ def test_incomplete_tls_is_refused(
          "9000 exceeds the model's limit of 4096 tokens"),
         (["--num-speculative-tokens", "2"], 4096, "--num-speculative-tokens",
          "2 drafts need --speculative-model"),
-        (["--num-speculative-tokens", "2", "--decode-steps", "4"], 4096, "--decode-steps",
-         "4 iterations per step cannot be combined with speculative decoding"),
     ],
 )
 def test_config_refusals_name_the_flag(
@@ -205,3 +206,36 @@ def test_config_or_exit_reports_flag_errors(
         config_or_exit(parser, args, model_max_len=1024)
     assert info.value.code == 2
     assert "esurge-serve: error: argument --max-num-batched-tokens:" in capsys.readouterr().err
+
+
+def test_settings_flags_reach_the_settings(model_dir: Path) -> None:
+    args = _args(model_dir, "--dtype", "bfloat16", "--memory-fraction", "0.5",
+                 "--decode-steps", "4")
+    config = build_config(args, model_max_len=1024)
+    assert config is not None
+    assert build_settings(args, config) == EngineSettings(dtype="bfloat16", memory_fraction=0.5,
+                                                          decode_steps=4)
+    defaults = _args(model_dir)
+    plain = build_config(defaults, model_max_len=1024)
+    assert plain is not None and build_settings(defaults, plain) == EngineSettings()
+
+
+@pytest.mark.parametrize(
+    ("flags", "flag", "fragment"),
+    [
+        (["--memory-fraction", "0"], "--memory-fraction", "memory_fraction must be in (0, 1]"),
+        (["--memory-fraction", "1.5"], "--memory-fraction", "got 1.5"),
+        (["--num-speculative-tokens", "2", "--speculative-model", "{draft}", "--decode-steps",
+          "4"], "--decode-steps", "decode_steps=4 with speculative decoding"),
+    ],
+)
+def test_settings_refusals_name_the_flag(model_dir: Path, tmp_path: Path, flags: list[str],
+                                         flag: str, fragment: str) -> None:
+    args = _args(model_dir, *(f.format(draft=tmp_path) for f in flags))
+    config = build_config(args, model_max_len=1024)
+    assert config is not None
+    with pytest.raises(FlagError) as info:
+        build_settings(args, config)
+    assert info.value.flag == flag
+    assert str(info.value).startswith(f"argument {flag}: ")
+    assert fragment in str(info.value)

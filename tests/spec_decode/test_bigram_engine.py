@@ -12,7 +12,7 @@ import pytest
 
 from esurge import SamplingParams, eSurge
 from esurge.runner.device_step import model_step_features, prompt_logprobs_step
-from esurge.runner.spec_sampler import store_draft_probs, verify_jit
+from esurge.runner.steps.speculative.verify import store_draft_probs, verify_jit
 from esurge.spec_decode import proposer
 from tests.spec_decode.conftest import BIGRAM_K
 from tests.spec_decode.helpers import MAX_MODEL_LEN, bigram_next_probs, bigram_pair, spec_config

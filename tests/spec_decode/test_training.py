@@ -23,7 +23,7 @@ from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.checkpoint import eagle_config_dict
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 from esurge.spec_decode.head import EagleHead, init_head
-from esurge.spec_decode.training import LossWeights, head_loss, unrolled_steps
+from tools.eagle_training import LossWeights, head_loss, unrolled_steps
 
 H, V, N = 32, 50, 12
 TARGET = DecoderConfig(

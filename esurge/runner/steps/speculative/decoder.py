@@ -2,7 +2,7 @@
 
 With speculation on, one step is: the target forward over [last token +
 drafts] rows (plus any prefill rows), verification of the drafts
-(`spec_sampler.verify_jit`), then the proposer drafting the next k tokens
+(`verify.verify_jit`), then the proposer drafting the next k tokens
 per request from this step's target features. Everything stays on the
 device until `finish` reads the emitted tokens and the new drafts.
 
@@ -40,8 +40,8 @@ from esurge.outputs import TokenLogprobs
 from esurge.runner.device_step import model_step_features
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
-from esurge.runner.spec_sampler import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.spec_decode.checkpoint import load_eagle_head
 from esurge.spec_decode.config import EagleLayout
 from esurge.spec_decode.proposer import (

@@ -1,0 +1,221 @@
+"""Plain steps: one model forward, then either its own argmax or the sampler.
+
+`GreedyStep` serves batches whose every row decodes greedily with no
+per-token state and no grammar: the model step's argmax is the sample, and
+no sampling call runs. `SampledStep` serves every other single step: the
+model step is queued, the grammar masks are built on the host while it
+runs, then the sampler. Both share the model-step program and the collect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from esurge.outputs import ModelRunnerOutput, TokenLogprobs
+from esurge.runner.device_step import model_step, sample_step
+from esurge.runner.packed_inputs import pack_inputs
+from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors
+from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.base import PendingStep, Program, StepPlan, WarmupPlan
+from esurge.runner.steps.padding import padding_batch, with_tiles
+from esurge.structured_output.batch import GrammarBatch
+
+if TYPE_CHECKING:
+    from esurge.runner.runner import eSurgeRunner
+
+__all__ = ["GrammarFeed", "GreedyStep", "SampledStep", "collect_plain"]
+
+PLAIN_GREEDY = SamplerVariant()  # greedy rows only, no penalties or masks, no logprobs
+
+
+class GrammarFeed:
+    """Feeds plain steps' sampled tokens to the matchers, as early as a mask needs them.
+
+    With async scheduling the previous step's tokens are still on the device
+    when the next step's masks are built; `masks` reads them first.
+    """
+
+    def __init__(self, grammars: GrammarBatch) -> None:
+        self.grammars = grammars
+        self.last: PendingStep | None = None
+
+    def observe(self, pending: PendingStep) -> None:
+        """Advance the constrained requests' matchers by the step's tokens (once)."""
+        inputs, sampled = pending.inputs, pending.sampled
+        if self.last is pending:
+            self.last = None
+        if pending.grammar_seen or inputs is None or sampled is None:
+            return
+        pending.grammar_seen = True
+        if inputs.num_steps > 1 or not self.grammars.any_in(inputs.req_ids):
+            return
+        tokens = np.asarray(sampled.token_ids)
+        for i, req_id in enumerate(inputs.req_ids):
+            if inputs.samples[i]:
+                self.grammars.advance(req_id, int(inputs.sample_positions[i]), [int(tokens[i])])
+
+    def masks(self, inputs: StepInputs, constrained: bool) -> np.ndarray:
+        """[requests bucket, words] int32 token masks for a step's sampler."""
+        if not constrained:
+            return self.grammars.all_allowed(inputs.num_reqs_bucket)
+        if self.last is not None:
+            self.observe(self.last)
+        return self.grammars.masks(inputs.req_ids, inputs.samples, inputs.num_reqs_bucket)
+
+
+def sampling_tensors(runner: eSurgeRunner, inputs: StepInputs, variant: SamplerVariant
+                     ) -> SamplingTensors:
+    """The scheduled rows' sampling tensors, padded to the step's request bucket."""
+    return runner.input_batch.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
+                                               inputs.sample_positions, variant)
+
+
+def _model_step(runner: eSurgeRunner, inputs: StepInputs
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queue the forward: (logits [L, V], final hidden [T, H], greedy tokens [max_rows])."""
+    device = runner.device
+    flat, layout = pack_inputs(inputs.batch, inputs.prev_index, inputs.burst_slots)
+    logits, hidden, device.kv_cache, greedy = model_step(
+        runner.model.model_state, device.kv_cache, flat, device.prev_tokens, layout)
+    return logits, hidden, greedy
+
+
+def _pending(runner: eSurgeRunner, kind: GreedyStep | SampledStep, plan: StepPlan,
+             sampled: SamplerOutput, hidden: jax.Array) -> PendingStep:
+    inputs = plan.inputs
+    ib = runner.input_batch
+    runner.prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
+    plp = runner.prompt_logprobs.compute(ib, inputs, hidden)
+    wanted = ib.sampling.num_logprobs[inputs.rows].copy() if plan.variant.logprobs else None
+    pending = PendingStep(kind, inputs, sampled, plp, num_logprobs=wanted)
+    runner.grammar_feed.last = pending
+    return pending
+
+
+def _model_step_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Program]:
+    """The model step in every bucket and tile; its outputs feed the later programs."""
+    if not plan.first_listing("model step"):
+        return []
+
+    def compile_one(tokens: int, requests: int, tile: int) -> jax.Array:
+        flat, layout = pack_inputs(padding_batch(runner, tokens, requests, tile=tile),
+                                   np.full(tokens, -1, np.int32))
+        device = runner.device
+        logits, hidden, device.kv_cache, _ = model_step(
+            runner.model.model_state, device.kv_cache, flat, device.prev_tokens, layout)
+        plan.logits_of[requests], plan.hidden_of[tokens] = logits, hidden
+        return logits
+
+    return [Program(f"model step tokens={t} requests={r} tile={tile}",
+                    partial(compile_one, t, r, tile))
+            for t, r, tile in with_tiles(plan.shapes, runner.tiled_attention)]
+
+
+def collect_plain(runner: eSurgeRunner, pending: PendingStep) -> ModelRunnerOutput:
+    """Wait for a plain step or a decode burst; record and return its sampled tokens."""
+    inputs, sampled = pending.inputs, pending.sampled
+    if inputs is None or sampled is None:
+        return ModelRunnerOutput.empty()
+    runner.grammar_feed.observe(pending)
+    tokens = np.asarray(sampled.token_ids)
+    n = len(inputs.req_ids)
+    if inputs.num_steps > 1:  # [K, R]: every request samples each iteration
+        sampled_ids = tokens[:, :n].T.tolist()
+    else:
+        sampled_ids = [[token] if sampled_row else [] for token, sampled_row
+                       in zip(tokens[:n].tolist(), inputs.samples.tolist(), strict=True)]
+        tokens = tokens[None]
+    runner.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens)
+    return ModelRunnerOutput(
+        req_ids=inputs.req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
+        sampled_token_ids=sampled_ids,
+        logprobs=_logprobs(inputs, sampled, pending.num_logprobs),
+        prompt_logprobs=pending.prompt_logprobs,
+    )
+
+
+def _logprobs(inputs: StepInputs, sampled: SamplerOutput, wanted: np.ndarray | None
+              ) -> list[list[TokenLogprobs] | None] | None:
+    if (wanted is None or sampled.logprobs is None or sampled.logprob_token_ids is None
+            or sampled.ranks is None):
+        return None
+    ids, lps = np.asarray(sampled.logprob_token_ids), np.asarray(sampled.logprobs)
+    ranks = np.asarray(sampled.ranks)
+    out: list[list[TokenLogprobs] | None] = []
+    for i in range(len(inputs.req_ids)):
+        n = int(wanted[i])
+        if n < 0 or not inputs.samples[i]:
+            out.append(None)
+            continue
+        out.append([TokenLogprobs.from_row(ids[i], lps[i], ranks[i], n)])
+    return out
+
+
+class GreedyStep:
+    """A plain greedy batch: the model step's argmax is the sample."""
+
+    name = "greedy"
+
+    def __init__(self, runner: eSurgeRunner) -> None:
+        self.runner = runner
+
+    def accepts(self, plan: StepPlan) -> bool:
+        return (plan.inputs.num_steps == 1 and plan.variant == PLAIN_GREEDY
+                and not plan.constrained)
+
+    def dispatch(self, plan: StepPlan) -> PendingStep:
+        _, hidden, greedy = _model_step(self.runner, plan.inputs)
+        self.runner.device.prev_tokens = greedy
+        return _pending(self.runner, self, plan, SamplerOutput(token_ids=greedy), hidden)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        return collect_plain(self.runner, pending)
+
+    def programs(self, plan: WarmupPlan) -> list[Program]:
+        return _model_step_programs(self.runner, plan)
+
+
+class SampledStep:
+    """Any other single step: the model step, then the sampler over masked logits."""
+
+    name = "sampled"
+
+    def __init__(self, runner: eSurgeRunner) -> None:
+        self.runner = runner
+
+    def accepts(self, plan: StepPlan) -> bool:
+        return plan.inputs.num_steps == 1
+
+    def dispatch(self, plan: StepPlan) -> PendingStep:
+        runner, inputs = self.runner, plan.inputs
+        logits, hidden, _ = _model_step(runner, inputs)
+        # The model step is queued: the masks are built while it runs.
+        tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
+                                      allowed=runner.grammar_feed.masks(inputs, plan.constrained))
+        sampled, runner.device.prev_tokens = sample_step(logits, tensors, plan.variant,
+                                                         runner.max_rows)
+        return _pending(runner, self, plan, sampled, hidden)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        return collect_plain(self.runner, pending)
+
+    def programs(self, plan: WarmupPlan) -> list[Program]:
+        runner = self.runner
+        sampling = runner.input_batch.sampling
+
+        def compile_one(requests: int, variant: SamplerVariant) -> object:
+            tensors = sampling.tensors(np.zeros(0, np.int64), requests, np.zeros(0, np.int32),
+                                       variant)
+            tensors = dataclasses.replace(tensors,
+                                          allowed=runner.grammars.all_allowed(requests))
+            return sample_step(plan.logits_of[requests], tensors, variant, runner.max_rows)
+
+        return _model_step_programs(runner, plan) + [
+            Program(f"sampler requests={r} {v}", partial(compile_one, r, v))
+            for r in plan.request_buckets for v in plan.variants]

@@ -1,0 +1,122 @@
+"""The speculative step: target forward over [last token + drafts], verification, proposal.
+
+With Eagle on, every step is one of these (they run synchronously). A
+constrained request's drafts are verified under the masks its grammar gives
+after each draft, and its next proposals are cut before the first draft the
+grammar refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from esurge.outputs import ModelRunnerOutput
+from esurge.runner.device_step import model_step_features
+from esurge.runner.sampler import SamplerVariant
+from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.base import PendingStep, Program, StepPlan, WarmupPlan
+from esurge.runner.steps.padding import padding_inputs, with_tiles
+from esurge.runner.steps.plain import sampling_tensors
+from esurge.runner.steps.speculative.decoder import SpecDecoder, SpecStep
+from esurge.runner.steps.speculative.verify import verify_jit
+
+if TYPE_CHECKING:
+    from esurge.runner.runner import eSurgeRunner
+
+__all__ = ["SpeculativeStep"]
+
+
+class SpeculativeStep:
+    """Every step of a runner with an Eagle head."""
+
+    name = "speculative"
+
+    def __init__(self, runner: eSurgeRunner, spec: SpecDecoder) -> None:
+        self.runner = runner
+        self.spec = spec
+
+    def accepts(self, plan: StepPlan) -> bool:
+        return plan.inputs.num_steps == 1
+
+    def dispatch(self, plan: StepPlan) -> PendingStep:
+        runner, inputs = self.runner, plan.inputs
+        tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
+                                      allowed=self._masks(inputs, plan.constrained))
+        device = runner.device
+        hidden, device.kv_cache, step = self.spec.run(
+            runner.model.model_state, device.kv_cache, runner.input_batch, inputs, tensors,
+            plan.variant)
+        plp = runner.prompt_logprobs.compute(runner.input_batch, inputs, hidden)
+        return PendingStep(self, inputs, None, plp, extra=step)
+
+    def _masks(self, inputs: StepInputs, constrained: bool) -> np.ndarray:
+        """[requests bucket * (k + 1), words]: each request's masks after each draft."""
+        grammars = self.runner.grammars
+        if not constrained:
+            return grammars.all_allowed(inputs.num_reqs_bucket * (1 + self.spec.num_spec))
+        drafts, num_drafts, _ = self.spec.scheduled_drafts(self.runner.input_batch, inputs)
+        return grammars.draft_masks(inputs.req_ids, inputs.samples, drafts, num_drafts)
+
+    def collect(self, pending: PendingStep) -> ModelRunnerOutput:
+        inputs, step = pending.inputs, pending.extra
+        if inputs is None or not isinstance(step, SpecStep):
+            return ModelRunnerOutput.empty()
+        ib, grammars = self.runner.input_batch, self.runner.grammars
+        emitted, proposals = self.spec.finish(ib, inputs, step)
+        for i, req_id in enumerate(inputs.req_ids):
+            if emitted[i] and req_id in grammars:
+                grammars.advance(req_id, int(inputs.sample_positions[i]), emitted[i])
+                # Drafts the grammar refuses would be rejected: not worth verifying.
+                proposals[i] = grammars.valid_drafts(req_id, proposals[i])
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
+            sampled_token_ids=emitted,
+            spec_token_ids=proposals,
+            logprobs=self.spec.logprobs(inputs, step.verified, ib.sampling.num_logprobs),
+            prompt_logprobs=pending.prompt_logprobs,
+        )
+
+    def programs(self, plan: WarmupPlan) -> list[Program]:
+        """The step in every bucket and tile (both proposer variants), then verification."""
+        steps = [Program(f"speculative step tokens={t} requests={r} tile={tile}",
+                         partial(self._compile_step, plan, t, r, tile))
+                 for t, r, tile in with_tiles(plan.shapes, self.runner.tiled_attention)]
+        verifies = [Program(f"verify requests={r} {v}",
+                            partial(self._compile_verify, plan, r, v))
+                    for r in plan.request_buckets for v in plan.variants]
+        return steps + verifies
+
+    def _compile_step(self, plan: WarmupPlan, tokens: int, requests: int, tile: int
+                      ) -> jax.Array:
+        runner, device = self.runner, self.runner.device
+        state, ib = runner.model.model_state, runner.input_batch
+        inputs = padding_inputs(runner, tokens, requests, tile)
+        rows = requests * (1 + self.spec.num_spec)
+        for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
+            tensors = dataclasses.replace(sampling_tensors(runner, inputs, variant),
+                                          allowed=runner.grammars.all_allowed(rows))
+            _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
+                                                     tensors, variant, always_draft=True)
+            jax.block_until_ready(step.drafts)
+        # Device outputs of the same program, as verification gets them at run time.
+        logits, plan.hidden_of[tokens], _, device.kv_cache = model_step_features(
+            state, device.kv_cache, inputs.batch, self.spec.feature_layers)
+        plan.logits_of[requests] = logits
+        return logits
+
+    def _compile_verify(self, plan: WarmupPlan, requests: int, variant: SamplerVariant
+                        ) -> object:
+        runner, k = self.runner, self.spec.num_spec
+        tensors = dataclasses.replace(runner.input_batch.sampling.tensors(
+            np.zeros(0, np.int64), requests, np.zeros(0, np.int32), variant),
+            allowed=runner.grammars.all_allowed(requests * (k + 1)))
+        out = verify_jit(plan.logits_of[requests], tensors, np.zeros((requests, k), np.int32),
+                         np.zeros(requests, np.int32), self.spec.prob_buffer,
+                         np.zeros(requests, np.int32), variant, self.spec.draft_vocab)
+        return out.token_ids

@@ -1,0 +1,75 @@
+"""How this process runs the engine: the settings beside the seed's `Config`.
+
+The seed's `Config` family keeps exactly its fields; what only concerns the
+way one process runs the model (its dtype, its share of memory, its
+smallest step and its decode bursts) lives here, validated in one place.
+`eSurge` keyword arguments and `esurge-serve` flags both reach the engine
+through `EngineSettings.with_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from esurge.errors import InvalidConfigError
+
+__all__ = ["SERVING_DTYPES", "EngineSettings"]
+
+# The dtypes a model can be served in; "auto" lets the loader choose.
+SERVING_DTYPES = ("float32", "bfloat16")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Engine settings outside the seed's `Config`.
+
+    dtype: "auto" (the checkpoint's precision where this backend runs it on
+    a fast path; see `esurge.models.loader.resolve_dtype`) or one of
+    SERVING_DTYPES.
+    memory_fraction: the share of free device memory the KV cache may take
+    when `CacheConfig.num_pages` is not set.
+    min_token_bucket: the smallest token bucket a step is padded to.
+    decode_steps: decode iterations one step may run when every running
+    request decodes without per-token sampling state (1: never a burst).
+    """
+
+    dtype: str = "auto"
+    memory_fraction: float = 0.25
+    min_token_bucket: int = 16
+    decode_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *SERVING_DTYPES):
+            raise InvalidConfigError("dtype", f"dtype must be 'auto' or one of "
+                                              f"{list(SERVING_DTYPES)}, got {self.dtype!r}")
+        fraction = self.memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
+                0.0 < fraction <= 1.0):
+            raise InvalidConfigError("memory_fraction",
+                                     f"memory_fraction must be in (0, 1], got {fraction!r}")
+        for name in ("min_token_bucket", "decode_steps"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise InvalidConfigError(name, f"{name} must be an int >= 1, got {value!r}")
+
+    def with_overrides(self, **changes: object) -> EngineSettings:
+        """These settings with every change that is not None applied (and validated)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"EngineSettings has no field(s) {sorted(unknown)}")
+        given = {name: value for name, value in changes.items() if value is not None}
+        return dataclasses.replace(self, **given) if given else self  # type: ignore[arg-type]
+
+    def check_speculation(self, num_speculative_tokens: int) -> None:
+        """Refuse decode bursts together with speculative decoding."""
+        if self.decode_steps > 1 and num_speculative_tokens:
+            raise InvalidConfigError(
+                "decode_steps",
+                f"decode_steps={self.decode_steps} with speculative decoding "
+                f"(num_speculative_tokens={num_speculative_tokens}) is not supported: a step "
+                "either verifies drafts or runs a decode burst")

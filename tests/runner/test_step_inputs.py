@@ -1,0 +1,84 @@
+"""The runner's step builder gives the model the batch the model's contract describes.
+
+The model tests build their batches from explicit chunks
+(`esurge.models.build_forward_batch`); serving builds them from the
+persistent batch and the scheduler's diffs (`build_step_inputs`). Here a real
+scheduler runs mixed workloads (chunked prefill, prefix-cache hits,
+preemption under a small page pool) and every step's production batch must
+equal the chunk-built one for the same requests, array for array.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from esurge.models.batch import ForwardBatch, RequestChunk, build_forward_batch
+from esurge.runner.buckets import StepBuckets
+from esurge.runner.input_batch import InputBatch
+from esurge.runner.step_inputs import StepInputs, build_step_inputs
+from esurge.scheduler import Scheduler
+from tests.scheduler.fakes import FakeRunner, make_request, make_scheduler
+
+VOCAB, MAX_LEN, PAGE = 50, 64, 4
+FIELDS = ("input_ids", "positions", "token_req", "slot_mapping", "page_tables",
+          "query_start_loc", "seq_lens", "logits_indices")
+
+
+def _chunk_batch(inputs: StepInputs, ib: InputBatch, runner: FakeRunner) -> ForwardBatch:
+    """The same step from explicit chunks: each request's tokens this step, its pages."""
+    chunks = []
+    for req_id, row in zip(inputs.req_ids, inputs.rows.tolist(), strict=True):
+        state = runner.states[req_id]
+        start = int(ib.num_computed[row])
+        n = int(inputs.seq_lens[inputs.req_ids.index(req_id)]) - start
+        chunks.append(RequestChunk(state.tokens[start:start + n], start, state.pages))
+    return build_forward_batch(
+        chunks, page_size=PAGE, num_groups=1, num_tokens_bucket=len(inputs.batch.input_ids),
+        num_reqs_bucket=inputs.num_reqs_bucket, max_pages_per_req=ib.page_tables.shape[2])
+
+
+def _drive(scheduler: Scheduler, buckets: StepBuckets, max_steps: int = 400) -> int:
+    """Run every request to its end, checking each step; returns the steps checked."""
+    runner = FakeRunner(PAGE)
+    ib = InputBatch(buckets.request_buckets[-1], MAX_LEN, 1, math.ceil(MAX_LEN / PAGE), VOCAB)
+    checked = 0
+    for _ in range(max_steps):
+        if not scheduler.has_requests():
+            return checked
+        out = scheduler.schedule()
+        ib.apply(out)
+        result = runner.execute(out)
+        if not out.is_empty():
+            inputs = build_step_inputs(ib, out, buckets, PAGE, {})
+            want = _chunk_batch(inputs, ib, runner)
+            for name in FIELDS:
+                np.testing.assert_array_equal(getattr(inputs.batch, name), getattr(want, name),
+                                              err_msg=name)
+            tokens = np.zeros(buckets.request_buckets[-1], np.int32)
+            for i, req_id in enumerate(inputs.req_ids):
+                sampled = result.sampled_token_ids[result.req_id_to_index[req_id]]
+                tokens[i] = sampled[0] if sampled else 0
+            ib.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens[None])
+            checked += 1
+        scheduler.update_from_output(out, result)
+    raise AssertionError("requests still unfinished")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_step_matches_the_chunk_built_batch(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    # A small pool forces preemption; shared prefixes hit the prefix cache.
+    scheduler = make_scheduler(max_num_seqs=6, max_num_batched_tokens=24, max_model_len=MAX_LEN,
+                               page_size=PAGE, num_pages=14, chunked=True)
+    prefix = rng.integers(1, VOCAB, 9).tolist()
+    for i in range(10):
+        own = rng.integers(1, VOCAB, int(rng.integers(1, 20))).tolist()
+        prompt = (prefix + own) if i % 2 else own
+        scheduler.add_request(make_request(f"r{i}", prompt, int(rng.integers(1, 24))))
+    buckets = StepBuckets.create(24, 6, None, min_tokens=8)
+    assert _drive(scheduler, buckets) > 40
+    assert scheduler.num_preemptions > 0 and scheduler.kv_cache_manager.prefix_cache_hits > 0
+    assert scheduler.kv_cache_manager.num_free_pages == scheduler.kv_cache_manager.num_usable_pages
