@@ -8,13 +8,15 @@ temp dir. For each N in --clients, max(N, 32) requests (W1 repeated) are run
 
 - in process: the engine's best mode, `eSurge.generate` given all the
   requests at once (the same for every N), and
-- over gRPC: N asyncio streaming clients (one channel each) against
+- over gRPC: N asyncio streaming clients (one channel each, or --channels
+  shared ones) against
   `python -m service` running the same engine configuration in its own process,
 
 and the script prints time to first token and inter-token latency (p50/p99,
 gRPC side), generated tokens/s of both and their ratio (goal: >= 0.9 at 64),
 and the serving process's CPU time per generated token (the server's, read
-from /proc; the engine's in process) and its ratio (goal: <= 1.1). The
+from /proc; the engine's in process) and its ratio (goal: <= 1.1), and the
+tokens per stream message (above 1 with decode bursts, --decode-steps). The
 load-generating clients run in this process, on the same cores: wall
 tokens/s is shared with them, server CPU per token is not.
 Both engines share a JAX compilation cache, so the server warms up quickly.
@@ -100,6 +102,7 @@ class Result:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     cpu_s: float = 0.0  # CPU seconds of the serving process (the engine's, or the server's)
+    messages: int = 0  # stream messages that carried tokens (gRPC side)
 
     @property
     def tokens_per_s(self) -> float:
@@ -134,8 +137,10 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def over_grpc(target: str, requests: list[list[int]], clients: int) -> Result:
-    """N streaming clients, one channel each, sharing the request list."""
+async def over_grpc(target: str, requests: list[list[int]], clients: int,
+                    channels: int | None = None) -> Result:
+    """N streaming clients sharing the request list, over `channels` HTTP/2
+    connections (None: one each; a gateway multiplexes many streams on few)."""
     from esurge.sampling_params import SamplingParams
     from service.client import AsyncEngineClient
 
@@ -157,15 +162,20 @@ async def over_grpc(target: str, requests: list[list[int]], clients: int) -> Res
                 result.itl.extend([(now - last) / len(message.token_ids)] * len(message.token_ids))
             last = now
             result.tokens += len(message.token_ids)
+            result.messages += 1
 
-    async def worker() -> None:
-        async with AsyncEngineClient(target, timeout=600) as client:
-            while not work.empty():
-                await one(client, work.get_nowait())
+    async def worker(client: AsyncEngineClient) -> None:
+        while not work.empty():
+            await one(client, work.get_nowait())
 
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
-    result.seconds = time.perf_counter() - start
+    pool = [AsyncEngineClient(target, timeout=600) for _ in range(channels or clients)]
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(pool[i % len(pool)]) for i in range(clients)))
+        result.seconds = time.perf_counter() - start
+    finally:
+        for client in pool:
+            await client.close()
     return result
 
 
@@ -196,7 +206,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(engine: object, target: str, server_pid: int, prompts: list[list[int]],
-            counts: list[int], repeats: int) -> tuple[dict[int, Result], dict[int, Result]]:
+            counts: list[int], repeats: int, channels: int | None
+            ) -> tuple[dict[int, Result], dict[int, Result]]:
     """Best of `repeats` runs per client count, local and gRPC runs interleaved so
     that load from other processes on the machine hits both alike."""
     in_process(engine, prompts[:4], 4)  # first-call effects out of the numbers
@@ -208,7 +219,7 @@ def measure(engine: object, target: str, server_pid: int, prompts: list[list[int
         for _ in range(repeats):
             lo = in_process(engine, requests, n)
             cpu = process_cpu_s(server_pid)
-            r = asyncio.run(over_grpc(target, requests, n))
+            r = asyncio.run(over_grpc(target, requests, n, channels))
             r.cpu_s = process_cpu_s(server_pid) - cpu
             if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
                 local[n] = lo
@@ -223,14 +234,15 @@ def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result
     """The results table; CPU is µs of the serving process's CPU per generated token."""
     print(f"{'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'gRPC tok/s':>10} {'local tok/s':>11} {'ratio':>6} {'gRPC CPU':>9} "
-          f"{'local CPU':>9} {'ratio':>6}")
+          f"{'local CPU':>9} {'ratio':>6} {'tok/msg':>7}")
     for n in counts:
         r, lo = remote[n], local[n]
         print(f"{n:>7} {percentile(r.ttft, .5):>7.1f}ms {percentile(r.ttft, .99):>7.1f}ms "
               f"{percentile(r.itl, .5):>6.1f}ms {percentile(r.itl, .99):>6.1f}ms "
               f"{r.tokens_per_s:>10.0f} {lo.tokens_per_s:>11.0f} "
               f"{r.tokens_per_s / lo.tokens_per_s:>6.2f} {r.cpu_us_per_token:>7.0f}us "
-              f"{lo.cpu_us_per_token:>7.0f}us {r.cpu_us_per_token / lo.cpu_us_per_token:>6.2f}")
+              f"{lo.cpu_us_per_token:>7.0f}us {r.cpu_us_per_token / lo.cpu_us_per_token:>6.2f} "
+              f"{r.tokens / max(r.messages, 1):>7.2f}")
 
 
 def main() -> None:
@@ -241,6 +253,8 @@ def main() -> None:
                              "(default: a temp dir)")
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="decode bursts for both engines (esurge-serve --decode-steps)")
+    parser.add_argument("--channels", type=int, default=None,
+                        help="HTTP/2 connections the clients share (default: one each)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per client count; the best is reported")
     args = parser.parse_args()
@@ -264,7 +278,8 @@ def main() -> None:
               f"of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
         proc, target = start_server(model_dir, env, flags)
         try:
-            local, remote = measure(engine, target, proc.pid, prompts, counts, args.repeats)
+            local, remote = measure(engine, target, proc.pid, prompts, counts, args.repeats,
+                                    args.channels)
         finally:
             proc.terminate()
             proc.wait(120)
