@@ -1,5 +1,5 @@
-"""Page arithmetic of attention specs: how many pages a request holds at most,
-and when a windowed group can give its next page back."""
+"""Page arithmetic: how many pages a request holds at most, when a windowed
+group can give its next page back, and how a memory budget becomes a pool size."""
 
 from __future__ import annotations
 
@@ -11,7 +11,24 @@ from esurge.core.kv_cache_spec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["computed_reaching", "peak_pages"]
+__all__ = ["computed_reaching", "peak_pages", "stable_page_count"]
+
+# Significant bits kept when a memory budget sets the pool size.
+_POOL_SIZE_BITS = 5
+
+
+def stable_page_count(pages: int) -> int:
+    """`pages` rounded down to 5 significant bits (less than 1/16 lost).
+
+    The pool size is part of every compiled program's shape. Sized from free
+    memory, it would differ by a few pages from one start to the next and
+    miss the persistent compile cache every time; rounded, small changes in
+    free memory give the same pool and the same programs.
+    """
+    if pages < 1:
+        raise ValueError(f"pages must be >= 1, got {pages!r}")
+    step = 1 << max(pages.bit_length() - _POOL_SIZE_BITS, 0)
+    return pages - pages % step
 
 
 def _reach(spec: AttentionSpec) -> int | None:

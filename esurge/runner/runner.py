@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from esurge.config import Config
 from esurge.core.kv_cache_spec import CacheGroupsConfig
+from esurge.core.page_budget import stable_page_count
 from esurge.models.kv_cache import KVCache, init_kv_cache
 from esurge.models.loader import LoadedModel
 from esurge.models.paged_attention import kernel_serves
@@ -144,7 +145,10 @@ class eSurgeRunner:
         budget = int(_available_device_bytes() * fraction)
         sched = self.config.scheduler_config
         useful = sched.max_num_seqs * math.ceil(self.max_model_len / self.page_size) + 1
-        pages = max(2, min(budget // page_bytes, useful))
+        affordable = budget // page_bytes
+        # What fits the budget moves with free memory: rounded, so that a restart
+        # finds its programs in the compile cache. What could be used is exact.
+        pages = max(2, useful if useful <= affordable else stable_page_count(max(affordable, 1)))
         log.info("KV cache: %d pages of %d tokens (%.1f MiB, %d tokens) from %.0f%% of %.1f GiB "
                  "free memory", pages, self.page_size, pages * page_bytes / 2**20,
                  (pages - 1) * self.page_size, fraction * 100, budget / fraction / 2**30)
