@@ -87,26 +87,9 @@ def _model_path(parser: argparse.ArgumentParser, spec: str) -> Path:
     return path
 
 
-def _enable_compile_cache() -> None:
-    """Keep XLA programs on disk so a restart skips most of the warm-up.
-
-    ESURGE_COMPILE_CACHE names the directory; an empty value turns it off.
-    """
-    path = os.environ.get("ESURGE_COMPILE_CACHE",
-                          str(Path.home() / ".cache" / "esurge" / "xla"))
-    if not path:
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def _build_engine(args: argparse.Namespace, config: Config, settings: EngineSettings) -> eSurge:
     from esurge.engine.api import eSurge  # imports JAX: only once the flags are good
 
-    _enable_compile_cache()
     return eSurge(args.model, config, settings=settings, show_progress=sys.stderr.isatty())
 
 

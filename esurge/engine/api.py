@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from esurge.config import CacheConfig, Config, SchedulerConfig
 from esurge.engine.chat import ChatMessage, ChatPrompt, ChatTemplate
+from esurge.engine.compile_cache import enable_compile_cache
 from esurge.engine.core import EngineCore
 from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
@@ -118,7 +119,9 @@ class eSurge:
     min_token_bucket, decode_steps: `esurge.settings.EngineSettings`) come from
     `settings`, each keyword argument given overriding it. dtype "auto" picks
     the checkpoint's precision where this backend runs it fast (float32 on
-    CPU; esurge.models.loader.resolve_dtype).
+    CPU; esurge.models.loader.resolve_dtype). Compiled programs are kept on
+    disk (esurge.engine.compile_cache), so the next start's warm-up mostly
+    reads them back.
     decode_steps > 1 lets a step run that many decode iterations when every
     running request decodes with no per-token sampling state (no penalties,
     masks or logprobs) and no waiting request could start
@@ -131,6 +134,7 @@ class eSurge:
                  tokenizer_dir: str | Path | None = None, memory_fraction: float | None = None,
                  warmup: bool = True, show_progress: bool = True,
                  min_token_bucket: int | None = None, decode_steps: int | None = None) -> None:
+        enable_compile_cache()
         # One override path: the keyword arguments given (not None) over `settings`.
         self.settings = (settings or EngineSettings()).with_overrides(
             dtype=dtype, memory_fraction=memory_fraction, min_token_bucket=min_token_bucket,
