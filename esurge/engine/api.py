@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import jax
 from tokenizers import Tokenizer
 
 from esurge.config import CacheConfig, Config, SchedulerConfig
@@ -40,16 +41,31 @@ __all__ = ["default_config", "eSurge"]
 log = logging.getLogger(__name__)
 
 
-def default_config(model: LoadedModel, max_num_seqs: int = 32) -> Config:
+# (max_num_seqs, max_num_batched_tokens) of a derived config, by backend. On
+# a CPU a step's matmuls are compute-bound well below 256 rows, and every
+# larger token bucket is one more warm-up program that runs a padding step
+# of its size (a 2048-token one takes seconds on 2 cores); accelerators take
+# the larger steps.
+_DERIVED_BUDGETS = {"cpu": (16, 256)}
+_ACCELERATOR_BUDGET = (32, 2048)
+
+
+def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Config:
     """A config from the checkpoint: its context length, chunked prefill, a
     memory-sized cache with prefix caching, and async scheduling (the next
     step is prepared while one runs: same tokens, ~10% more throughput on
-    W1; speculative decoding turns it off, see _effective_config)."""
+    W1; speculative decoding turns it off, see _effective_config).
+
+    The step budget suits the backend: 16 requests and 256-token steps on CPU
+    (as `make serve`), 32 and 2048 elsewhere; max_num_seqs overrides the count.
+    """
     max_len = int(getattr(model.hf_config, "max_position_embeddings", 0) or 2048)
+    seqs, tokens = _DERIVED_BUDGETS.get(jax.default_backend(), _ACCELERATOR_BUDGET)
     return Config(
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=min(2048, max_len),
-            max_model_len=max_len, chunked_prefill_enabled=True, async_scheduling=True),
+            max_num_seqs=seqs if max_num_seqs is None else max_num_seqs,
+            max_num_batched_tokens=min(tokens, max_len), max_model_len=max_len,
+            chunked_prefill_enabled=True, async_scheduling=True),
         cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
     )
 

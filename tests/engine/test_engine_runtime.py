@@ -61,7 +61,9 @@ def test_no_config_derives_one_from_the_checkpoint(tiny_llama_dir: Path,
         prompts = mixed_prompts()[:3]
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
     max_len = AutoConfig.from_pretrained(tiny_llama_dir).max_position_embeddings
-    assert (sched.max_model_len, sched.max_num_batched_tokens) == (max_len, min(2048, max_len))
+    # On CPU (these tests' backend): 16 requests, 256-token steps, as `make serve`.
+    assert (sched.max_model_len, sched.max_num_batched_tokens) == (max_len, min(256, max_len))
+    assert sched.max_num_seqs == 16
     assert sched.async_scheduling and sched.chunked_prefill_enabled
     assert cache.num_pages is None and cache.enable_prefix_caching
     # Async scheduling changes nothing a user sees: the same greedy tokens as
