@@ -30,11 +30,11 @@ FIELDS = ("input_ids", "positions", "token_req", "slot_mapping", "page_tables",
 def _chunk_batch(inputs: StepInputs, ib: InputBatch, runner: FakeRunner) -> ForwardBatch:
     """The same step from explicit chunks: each request's tokens this step, its pages."""
     chunks = []
-    for req_id, row in zip(inputs.req_ids, inputs.rows.tolist(), strict=True):
-        state = runner.states[req_id]
+    for req_id, row, seq_len in zip(inputs.req_ids, inputs.rows.tolist(),
+                                    inputs.seq_lens.tolist(), strict=True):
         start = int(ib.num_computed[row])
-        n = int(inputs.seq_lens[inputs.req_ids.index(req_id)]) - start
-        chunks.append(RequestChunk(state.tokens[start:start + n], start, state.pages))
+        state = runner.states[req_id]
+        chunks.append(RequestChunk(state.tokens[start:seq_len], start, state.pages))
     return build_forward_batch(
         chunks, page_size=PAGE, num_groups=1, num_tokens_bucket=len(inputs.batch.input_ids),
         num_reqs_bucket=inputs.num_reqs_bucket, max_pages_per_req=ib.page_tables.shape[2])
