@@ -72,8 +72,12 @@ sysdeps:
 	  exit 1; \
 	fi
 
+# The tensor-parallel tests run in a second process, with 8 simulated CPU
+# devices (the count is fixed when JAX's backend starts).
 test: sysdeps install
 	$(PY) -m pytest $(PYTEST_ARGS)
+	XLA_FLAGS="$$XLA_FLAGS --xla_force_host_platform_device_count=8" \
+		$(PY) -m pytest $(PYTEST_ARGS) tests/parallel
 
 serve: $(RUNTIME_STAMP)
 	$(PY) -m service --model $(MODEL) --port $(PORT) $(SERVE_FLAGS)

@@ -6,7 +6,7 @@ scheduler) can be used without importing JAX.
 
 from typing import TYPE_CHECKING, Any
 
-from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from esurge.sampling_params import SamplingParams
 from esurge.settings import EngineSettings
 from esurge.structured_output.params import StructuredOutputsParams
@@ -20,6 +20,7 @@ __all__ = [
     "CompletionOutput",
     "Config",
     "EngineSettings",
+    "ParallelConfig",
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",

@@ -18,6 +18,7 @@ from esurge.errors import InvalidConfigError
 __all__ = [
     "CacheConfig",
     "Config",
+    "ParallelConfig",
     "SchedulerConfig",
     "SchedulingPolicy",
     "SpeculativeConfig",
@@ -166,6 +167,59 @@ class SpeculativeConfig:
     def use_eagle(self) -> bool:
         """True exactly when a draft model is set and drafts are requested."""
         return self.speculative_model is not None and self.num_speculative_tokens > 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many devices, and hosts, one model runs on.
+
+    tensor_parallel_size: devices of the mesh that split every layer
+        (attention by heads, the MLP by its intermediate columns, embedding
+        and LM head by vocabulary rows); see esurge.models.tensor_parallel.
+        Whether the model's heads divide, and whether that many devices
+        exist, is checked when the model loads.
+    num_hosts: processes that join one JAX job (multi-controller: every host
+        runs the same program; esurge.engine.multihost). Each brings
+        tensor_parallel_size / num_hosts devices.
+    host_rank: this process's rank; 0 is the leader (scheduler, gRPC server),
+        the others follow its steps.
+    coordinator_address: "host:port" of the JAX coordinator, on the leader;
+        the leader also listens for its followers' step channel on port + 1.
+    """
+
+    tensor_parallel_size: int = 1
+    num_hosts: int = 1
+    host_rank: int = 0
+    coordinator_address: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", self.tensor_parallel_size, "an int >= 1")
+        _require(_is_int(self.num_hosts) and self.num_hosts >= 1,
+                 "num_hosts", self.num_hosts, "an int >= 1")
+        _require(_is_int(self.host_rank) and 0 <= self.host_rank < self.num_hosts,
+                 "host_rank", self.host_rank, f"an int in [0, num_hosts={self.num_hosts})")
+        if self.num_hosts > 1:
+            address = self.coordinator_address
+            host, _, port = (address or "").rpartition(":")
+            _require(bool(host) and port.isdigit() and 0 < int(port) < 65535,
+                     "coordinator_address", address, "'host:port' when num_hosts > 1")
+            _require(self.tensor_parallel_size % self.num_hosts == 0, "tensor_parallel_size",
+                     self.tensor_parallel_size,
+                     f"a multiple of num_hosts={self.num_hosts} (each host brings its share)")
+        elif self.coordinator_address is not None:
+            raise InvalidConfigError("coordinator_address", "coordinator_address is set "
+                                     f"({self.coordinator_address!r}) but num_hosts is 1")
+
+    @property
+    def is_multihost(self) -> bool:
+        """True when this process is one of several hosts of one job."""
+        return self.num_hosts > 1
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the host that schedules and serves (rank 0)."""
+        return self.host_rank == 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,9 @@ through `EngineSettings.with_overrides`.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from esurge.config import ParallelConfig
 from esurge.errors import InvalidConfigError
 
 __all__ = ["SERVING_DTYPES", "EngineSettings"]
@@ -36,14 +37,19 @@ class EngineSettings:
     min_token_bucket: the smallest token bucket a step is padded to.
     decode_steps: decode iterations one step may run when every running
     request decodes without per-token sampling state (1: never a burst).
+    parallel_config: the devices the model is split over (ParallelConfig).
     """
 
     dtype: str = "auto"
     memory_fraction: float = 0.25
     min_token_bucket: int = 16
     decode_steps: int = 1
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.parallel_config, ParallelConfig):
+            raise InvalidConfigError("parallel_config", f"parallel_config must be a "
+                                     f"ParallelConfig, got {self.parallel_config!r}")
         if self.dtype not in ("auto", *SERVING_DTYPES):
             raise InvalidConfigError("dtype", f"dtype must be 'auto' or one of "
                                               f"{list(SERVING_DTYPES)}, got {self.dtype!r}")

@@ -93,6 +93,20 @@ def _build_engine(args: argparse.Namespace, config: Config, settings: EngineSett
     return eSurge(args.model, config, settings=settings, show_progress=sys.stderr.isatty())
 
 
+def _follow(args: argparse.Namespace, config: Config, settings: EngineSettings) -> int:
+    """A follower host: no server, the leader's steps until it stops (0) or
+    the job breaks (1, logged)."""
+    from esurge.engine.follower import run_follower  # imports JAX
+    from esurge.engine.multihost.link import LinkError
+
+    try:
+        run_follower(args.model, config, settings)
+    except LinkError as err:
+        log.error("%s", err)
+        return 1
+    return 0
+
+
 def _start_engine_thread(args: argparse.Namespace, config: Config,
                          settings: EngineSettings) -> Future[eSurge]:
     """Load and warm up the engine on a daemon thread, so the server answers meanwhile."""
@@ -173,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.model = _model_path(parser, args.model)
     config = config_or_exit(parser, args, _checkpoint_max_len(parser, args.model))
     settings = settings_or_exit(parser, args, config)
+    if not settings.parallel_config.is_leader:
+        return _follow(args, config, settings)
     try:
         options = _server_options(args)
     except (OSError, ValueError) as err:

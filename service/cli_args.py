@@ -20,7 +20,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from esurge.errors import InvalidConfigError
 from esurge.packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from esurge.settings import SERVING_DTYPES, EngineSettings
@@ -58,6 +58,10 @@ CONFIG_FIELD_FLAGS: dict[str, str] = {
     "dtype": "--dtype",
     "memory_fraction": "--memory-fraction",
     "decode_steps": "--decode-steps",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "num_hosts": "--num-hosts",
+    "host_rank": "--host-rank",
+    "coordinator_address": "--coordinator-address",
 }
 
 
@@ -211,6 +215,20 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="tokens per KV page (default: %(default)s)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share cached prompt prefixes across requests")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-parallel-size", type=_int_at_least(1), default=1,
+                          metavar="N", help="split the model over N devices of this host "
+                          "(attention by heads, the MLP by columns, the vocabulary by rows); "
+                          "the heads must divide (default: %(default)s)")
+    parallel.add_argument("--num-hosts", type=_int_at_least(1), default=1, metavar="N",
+                          help="processes of one JAX job, each bringing tensor-parallel-size / N "
+                          "devices; every host runs this command (default: %(default)s)")
+    parallel.add_argument("--host-rank", type=_int_at_least(0), default=0, metavar="R",
+                          help="this host's rank: 0 schedules and serves gRPC, the others "
+                          "follow its steps (default: %(default)s)")
+    parallel.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                          help="the JAX coordinator, on host 0; the step channel to the "
+                          "followers listens on PORT + 1 (needed with --num-hosts > 1)")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=0,
                       help="draft tokens per step; needs --speculative-model "
@@ -314,7 +332,10 @@ def build_settings(args: argparse.Namespace, config: Config) -> EngineSettings:
     try:
         settings = EngineSettings().with_overrides(
             dtype=args.dtype, memory_fraction=args.memory_fraction,
-            decode_steps=args.decode_steps)
+            decode_steps=args.decode_steps,
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=args.tensor_parallel_size, num_hosts=args.num_hosts,
+                host_rank=args.host_rank, coordinator_address=args.coordinator_address))
         settings.check_speculation(config.num_speculative_tokens)
     except InvalidConfigError as err:
         raise FlagError(CONFIG_FIELD_FLAGS.get(err.field), str(err)) from err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import math
 from typing import TYPE_CHECKING
 
 from esurge.sampling_params import MAX_LOGPROBS
@@ -88,7 +89,7 @@ def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:
 
     versions = {name: v for name in _LIBRARIES if (v := _version(name)) is not None}
     spec = engine.config.speculative_config
-    devices = jax.devices()
+    axes = engine.mesh_axes
     return service_pb2.GetServerInfoResponse(
         server_version=versions.get("esurge-grpc", "unknown"),
         api_version=API_VERSION,
@@ -97,9 +98,9 @@ def server_info(engine: eSurge) -> service_pb2.GetServerInfoResponse:
         page_size=engine.stats.page_size,
         num_pages=engine.stats.num_pages,
         num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-        platform=devices[0].platform,
-        # The runner places the model on the default device only.
-        num_devices=1,
+        platform=jax.devices()[0].platform,
+        num_devices=math.prod(axes.values()),
+        mesh_axes=axes,
     )
 
 

@@ -11,6 +11,13 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The tensor-parallel tests need 8 (simulated) devices, a count fixed when the
+# backend starts: `make test` runs them in a process of their own with
+# PARALLEL_XLA_FLAGS (see the Makefile). This process leaves them out.
+PARALLEL_XLA_FLAGS = "--xla_force_host_platform_device_count=8"
+if PARALLEL_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    collect_ignore = ["parallel"]
+
 
 # Each turn is "<s>role\ncontent</s>\n"; the reply opens with "<s>assistant\n".
 TINY_CHAT_TEMPLATE = (

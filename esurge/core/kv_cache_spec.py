@@ -177,18 +177,20 @@ def _attr(config: Any, name: str) -> Any:
 
 
 def layer_specs_from_hf_config(
-    hf_config: Any, page_size: int, dtype: str = "float32"
+    hf_config: Any, page_size: int, dtype: str = "float32", num_kv_heads: int | None = None
 ) -> list[AttentionSpec]:
     """One attention spec per decoder layer, read from a Hugging Face config.
 
     Understands `layer_types` (full / sliding / chunked attention, as recent
     transformers configs spell them), a model-wide `sliding_window` (Mistral;
     Qwen2 only with `use_sliding_window`) and `attention_chunk_size`.
+    num_kv_heads overrides the config's (a tensor-parallel layout replicates
+    kv heads up to the shards).
     """
     text = _attr(hf_config, "text_config") or hf_config
     num_layers = int(text.num_hidden_layers)
     num_heads = int(text.num_attention_heads)
-    kv_heads = int(_attr(text, "num_key_value_heads") or num_heads)
+    kv_heads = num_kv_heads or int(_attr(text, "num_key_value_heads") or num_heads)
     head_dim = int(_attr(text, "head_dim") or text.hidden_size // num_heads)
     full = FullAttentionSpec(page_size, kv_heads, head_dim, dtype)
     window = _attr(text, "sliding_window")
@@ -238,8 +240,9 @@ def group_layer_specs(specs: list[AttentionSpec]) -> list[KVCacheGroup]:
 
 
 def cache_groups_from_hf_config(
-    hf_config: Any, num_pages: int, page_size: int, dtype: str = "float32"
+    hf_config: Any, num_pages: int, page_size: int, dtype: str = "float32",
+    num_kv_heads: int | None = None,
 ) -> CacheGroupsConfig:
     """The cache groups of a Hugging Face model config over a pool of num_pages."""
-    specs = layer_specs_from_hf_config(hf_config, page_size, dtype)
+    specs = layer_specs_from_hf_config(hf_config, page_size, dtype, num_kv_heads)
     return CacheGroupsConfig(num_pages=num_pages, groups=tuple(group_layer_specs(specs)))

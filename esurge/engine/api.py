@@ -17,12 +17,18 @@ from typing import Any
 import jax
 from tokenizers import Tokenizer
 
-from esurge.config import CacheConfig, Config, SchedulerConfig
+from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig
 from esurge.engine.chat import ChatMessage, ChatPrompt, ChatTemplate
 from esurge.engine.compile_cache import enable_compile_cache
 from esurge.engine.core import EngineCore
 from esurge.engine.inputs import InputProcessor, Prompt
 from esurge.engine.loop import EngineDeadError, EngineLoop
+from esurge.engine.multihost.cluster import join_cluster
+from esurge.engine.multihost.lockstep import (
+    LockstepExecutor,
+    check_multihost_config,
+    connect_followers,
+)
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestDelta, RequestOutput
 from esurge.engine.stats import EngineStats, StatsRecorder
@@ -54,7 +60,7 @@ def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Confi
     """A config from the checkpoint: its context length, chunked prefill, a
     memory-sized cache with prefix caching, and async scheduling (the next
     step is prepared while one runs: same tokens, ~10% more throughput on
-    W1; speculative decoding turns it off, see _effective_config).
+    W1; speculative decoding turns it off, see runner_config).
 
     The step budget suits the backend: 16 requests and 256-token steps on CPU
     (as `make serve`), 32 and 2048 elsewhere; max_num_seqs overrides the count.
@@ -70,7 +76,7 @@ def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Confi
     )
 
 
-def _effective_config(config: Config) -> Config:
+def runner_config(config: Config) -> Config:
     """The config the runner and scheduler run with.
 
     Speculative steps run synchronously: the next step's drafts and token
@@ -132,7 +138,7 @@ class eSurge:
     optionally, tokenizer.json) or a single .gguf file; without a tokenizer,
     prompts must be token ids. config None derives one from the checkpoint
     (see default_config). The settings beside it (dtype, memory_fraction,
-    min_token_bucket, decode_steps: `esurge.settings.EngineSettings`) come from
+    min_token_bucket, decode_steps, parallel_config: `esurge.settings.EngineSettings`) come from
     `settings`, each keyword argument given overriding it. dtype "auto" picks
     the checkpoint's precision where this backend runs it fast (float32 on
     CPU; esurge.models.loader.resolve_dtype). Compiled programs are kept on
@@ -149,20 +155,37 @@ class eSurge:
                  dtype: str | None = None, *, settings: EngineSettings | None = None,
                  tokenizer_dir: str | Path | None = None, memory_fraction: float | None = None,
                  warmup: bool = True, show_progress: bool = True,
-                 min_token_bucket: int | None = None, decode_steps: int | None = None) -> None:
+                 min_token_bucket: int | None = None, decode_steps: int | None = None,
+                 parallel_config: ParallelConfig | None = None) -> None:
         enable_compile_cache()
         # One override path: the keyword arguments given (not None) over `settings`.
         self.settings = (settings or EngineSettings()).with_overrides(
             dtype=dtype, memory_fraction=memory_fraction, min_token_bucket=min_token_bucket,
-            decode_steps=decode_steps)
-        self.model = load_model(resolve_model_path(model_dir), self.settings.dtype)
+            decode_steps=decode_steps, parallel_config=parallel_config)
+        parallel = self.settings.parallel_config
+        if not parallel.is_leader:
+            raise InvalidConfigError("host_rank", f"eSurge runs on the leader (host_rank 0); "
+                                     f"host {parallel.host_rank} runs "
+                                     "esurge.engine.follower.run_follower")
+        join_cluster(parallel)
+        model_path = resolve_model_path(model_dir)
+        self.model = load_model(model_path, self.settings.dtype,
+                                tensor_parallel_size=parallel.tensor_parallel_size)
         self.config = config if config is not None else default_config(self.model)
         self._check_config(self.config)
+        link = None
+        if parallel.is_multihost:
+            check_multihost_config(self.config)
+            link = connect_followers(model_path, self.config, self.settings)
         self.tokenizer, self.chat_template = _load_tokenizer(
             self.model, Path(tokenizer_dir) if tokenizer_dir else None)
         self.grammars = StructuredOutputs(self.tokenizer, self.model.vocab_size,
                                           self.model.eos_token_ids)
-        self.runner = eSurgeRunner(self.model, _effective_config(self.config), self.settings)
+        self.runner = eSurgeRunner(self.model, runner_config(self.config), self.settings)
+        mesh = self.runner.mesh
+        # The device mesh the model is split over, axis name -> size ({} on one device).
+        self.mesh_axes: dict[str, int] = (
+            {} if mesh is None else {str(name): int(n) for name, n in mesh.shape.items()})
         self.scheduler = Scheduler.from_runner(
             self.runner, enable_prefix_caching=self.config.cache_config.enable_prefix_caching)
         if self.settings.decode_steps > 1:
@@ -175,11 +198,14 @@ class eSurge:
         self.inputs = InputProcessor(self.tokenizer, self.model.vocab_size,
                                      self.model.eos_token_ids, sched.max_model_len,
                                      self.chat_template)
-        core = EngineCore(self.scheduler, self.runner,
+        executor = self.runner if link is None else LockstepExecutor(self.runner, link)
+        core = EngineCore(self.scheduler, executor,
                           async_scheduling=self.runner.config.scheduler_config.async_scheduling)
         recorder = StatsRecorder(self.scheduler, lambda: self.runner.spec_stats)
         self._loop = EngineLoop(core, OutputProcessor(self.tokenizer), recorder,
                                 self.scheduler.kv_cache_manager.pool.events)
+        if link is not None:  # a follower that leaves or diverges ends the engine
+            link.on_failure = self._loop.fail
         self._loop.start()
         self._ids = itertools.count()
         self._id_lock = threading.Lock()

@@ -92,3 +92,6 @@ class EngineCore(Generic[PendingStep]):
             scheduler_output, pending = self._in_flight.popleft()
             self.scheduler.update_from_output(scheduler_output, self.executor.collect(pending))
         self.scheduler.shutdown()
+        release = getattr(self.executor, "shutdown", None)  # a multi-host executor's followers
+        if release is not None:
+            release()

@@ -71,6 +71,11 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _Fail:
+    error: BaseException
+
+
+@dataclass(slots=True)
 class _GrammarReady:
     cmd: _Submit
 
@@ -85,7 +90,7 @@ class EngineLoop:
         self._recorder = recorder
         # Replaced (never mutated) by the loop thread: any thread may read it.
         self.stats: EngineStats = recorder.read()
-        self._commands: queue.SimpleQueue[_Submit | _Abort | _GrammarReady | None] = (
+        self._commands: queue.SimpleQueue[_Submit | _Abort | _GrammarReady | _Fail | None] = (
             queue.SimpleQueue())
         # Requests waiting for their grammar, by id (loop thread only).
         self._parked: dict[str, _Submit] = {}
@@ -153,6 +158,11 @@ class EngineLoop:
         """Abort a request if it is still running (idempotent)."""
         self._commands.put(_Abort(request_id))
 
+    def fail(self, error: BaseException) -> None:
+        """End the loop with error from another thread (a multi-host follower
+        left): at its next command, as if its step had raised it."""
+        self._commands.put(_Fail(error))
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; requests still running get an EngineDeadError."""
         self._stopping = True
@@ -191,6 +201,8 @@ class EngineLoop:
             block = False
             if command is None:
                 return False
+            if isinstance(command, _Fail):
+                raise command.error
             if isinstance(command, _Abort):
                 self._abort(command.request_id)
             elif isinstance(command, _GrammarReady):

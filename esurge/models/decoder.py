@@ -62,7 +62,7 @@ class DecoderModel(nnx.Module):
     """Embedding, decoder layers and final norm (the HF `model.` subtree)."""
 
     def __init__(self, config: DecoderConfig, *, dtype: jnp.dtype):
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(config.padded_vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nnx.List(
             [DecoderLayer(config, layer, dtype=dtype) for layer in config.layers])
         self.norm = make_norm(config.hidden_size, config, dtype)
@@ -76,8 +76,8 @@ class CausalLM(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.model = DecoderModel(config, dtype=dtype)
         self.lm_head = (None if config.tie_word_embeddings
-                        else serving_linear(config, config.hidden_size, config.vocab_size,
-                                            bias=False, dtype=dtype))
+                        else serving_linear(config, config.hidden_size,
+                                            config.padded_vocab_size, bias=False, dtype=dtype))
 
     def __call__(
         self,
@@ -125,6 +125,8 @@ class CausalLM(nnx.Module):
             logits = jnp.einsum("lh,vh->lv", hidden, self.model.embed_tokens.weight[...])
         else:
             logits = self.lm_head(hidden)
+        if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards
+            logits = logits[:, :self.config.vocab_size]
         cap = self.config.final_softcap
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap

@@ -121,6 +121,10 @@ class DecoderConfig:
     dual_layout: on top of packing, every packed projection also keeps its
         input-major weight, which large buckets multiply by with XLA (chosen at
         load where the CPU lacks AVX-512; see packed_linear.DUAL_KERNEL_MAX_ROWS).
+    tensor_parallel: the shards the layout is cut for (esurge.models.
+        tensor_parallel): fused projections hold each shard's columns
+        together ([q_i | k_i | v_i]) and the vocabulary rows are padded to a
+        multiple of it. 1 is the checkpoint's own layout.
     """
 
     vocab_size: int
@@ -146,10 +150,11 @@ class DecoderConfig:
     fused_projections: bool = False
     packed_weights: bool = False
     dual_layout: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
-                     "num_kv_heads", "head_dim"):
+                     "num_kv_heads", "head_dim", "tensor_parallel"):
             _positive_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -181,6 +186,11 @@ class DecoderConfig:
         """The packed gate/up projection applies SiLU and the product itself
         (esurge.models.packed_linear.PackedGateUp): packed, SiLU, no MLP bias."""
         return self.packed_weights and self.activation is Activation.SILU and not self.mlp_bias
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding and LM head rows: the vocabulary rounded up to the shards."""
+        return -(-self.vocab_size // self.tensor_parallel) * self.tensor_parallel
 
     @property
     def num_layers(self) -> int:

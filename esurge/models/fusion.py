@@ -6,7 +6,10 @@ gate_proj, up_proj, each [out, in]). For serving, q/k/v become one
 on XLA:CPU a decode step's narrow matmuls are launch- and packing-bound, and
 one wide matmul over the concatenated weight computes the same dot products
 in less time. The outputs are split again right after the matmul, so nothing
-downstream changes.
+downstream changes. A layout cut for tensor parallelism
+(`DecoderConfig.tensor_parallel`) groups the fused columns per shard,
+[q_0 | k_0 | v_0 | q_1 | k_1 | v_1 ...], so a column-parallel split of the
+fused weight hands each device its own heads whole.
 
 `pack_projections` goes one step further where the CPU kernels serve: every
 projection and the untied LM head are stored in column panels
@@ -19,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -27,21 +31,31 @@ from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
 from esurge.models.packed_linear import pack_gate_up, pack_weight
 
-__all__ = ["fuse_projections", "pack_projections"]
+__all__ = ["fuse_projections", "pack_projections", "state_for"]
 
 
-def _concat(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """[out_i, in] weights (and [out_i] biases) -> one [in, sum(out_i)] weight."""
-    fused = {"weight": jnp.concatenate([p["weight"] for p in parts], axis=0).T}
+def _by_shard(arrays: list[jax.Array], shards: int) -> jax.Array:
+    """[out_i, ...] arrays -> [sum(out_i), ...], shard-major: shard j's rows of
+    every array, then shard j + 1's (one shard: a plain concatenation)."""
+    split = [a.reshape(shards, -1, *a.shape[1:]) for a in arrays]
+    joined = jnp.concatenate(split, axis=1)
+    return joined.reshape(-1, *arrays[0].shape[1:])
+
+
+def _concat(parts: list[dict[str, Any]], shards: int) -> dict[str, Any]:
+    """[out_i, in] weights (and [out_i] biases) -> one [in, sum(out_i)] weight,
+    its columns grouped per shard ([q_0 | k_0 | v_0 | q_1 | ...])."""
+    fused = {"weight": _by_shard([p["weight"] for p in parts], shards).T}
     if parts[0].get("bias") is not None:
-        fused["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=0)
+        fused["bias"] = _by_shard([p["bias"] for p in parts], shards)
     return fused
 
 
-def _fuse_layer(layer: dict[str, Any]) -> dict[str, Any]:
+def _fuse_layer(layer: dict[str, Any], shards: int) -> dict[str, Any]:
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-    attn["qkv_proj"] = _concat([attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")])
-    mlp["gate_up_proj"] = _concat([mlp.pop("gate_proj"), mlp.pop("up_proj")])
+    attn["qkv_proj"] = _concat([attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")],
+                               shards)
+    mlp["gate_up_proj"] = _concat([mlp.pop("gate_proj"), mlp.pop("up_proj")], shards)
     return {**layer, "self_attn": attn, "mlp": mlp}
 
 
@@ -51,7 +65,8 @@ def fuse_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype
     if config.fused_projections:
         return config, state
     fused_config = dataclasses.replace(config, fused_projections=True)
-    return fused_config, _state_for(fused_config, _map_layers(state.params, _fuse_layer), dtype)
+    params = _map_layers(state.params, lambda layer: _fuse_layer(layer, config.tensor_parallel))
+    return fused_config, state_for(fused_config, params, dtype)
 
 
 def _map_layers(params: Params, change: Callable[[dict[str, Any]], dict[str, Any]]) -> Params:
@@ -92,15 +107,18 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
         config, state = fuse_projections(config, state, dtype)
     if config.packed_weights:
         return config, state
+    if config.tensor_parallel > 1:
+        raise ValueError("packed weights are not laid out per shard yet: load a "
+                         f"{config.tensor_parallel}-way tensor-parallel model unpacked")
     packed_config = dataclasses.replace(config, packed_weights=True, dual_layout=dual)
     params = _map_layers(state.params, lambda layer: _pack_layer(packed_config, layer))
     if params.get("lm_head") is not None:
         params["lm_head"] = _packed(params["lm_head"], input_major=False, dual=dual)
-    return packed_config, _state_for(packed_config, params, dtype)
+    return packed_config, state_for(packed_config, params, dtype)
 
 
-def _state_for(config: DecoderConfig, params: Params, dtype: jnp.dtype) -> ModelState:
-    """params under the module tree of config, checked against it."""
+def state_for(config: DecoderConfig, params: Params, dtype: jnp.dtype) -> ModelState:
+    """params under the module tree of config, checked against it (ValueError)."""
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=dtype))
     graphdef, abstract_params = nnx.split(abstract)
     _check_same_tree(nnx.to_pure_dict(abstract_params), params)

@@ -68,10 +68,22 @@ def _cache_dtype(dtype: str | jnp.dtype | None, config: CacheGroupsConfig) -> jn
     return jnp.dtype(name)
 
 
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding: jax.sharding.Sharding | None
+           ) -> jax.Array:
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    # Made in place on each device: the whole array never exists on one.
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
 def init_kv_cache(
-    cache_groups_config: CacheGroupsConfig, dtype: str | jnp.dtype | None = None
+    cache_groups_config: CacheGroupsConfig, dtype: str | jnp.dtype | None = None,
+    sharding: jax.sharding.Sharding | None = None,
 ) -> KVCache:
-    """A zeroed device cache for the groups; dtype defaults to the groups' spec dtype."""
+    """A zeroed device cache for the groups; dtype defaults to the groups' spec dtype.
+
+    sharding places every slot (esurge.models.tensor_parallel.kv_cache_sharding);
+    None: the default device."""
     groups = cache_groups_config.groups
     shapes = {(g.spec.num_kv_heads, g.spec.head_dim) for g in groups}
     if len(shapes) != 1:
@@ -89,8 +101,8 @@ def init_kv_cache(
     layer_slots = tuple(cache_groups_config.layer_location(i) for i in range(num_layers))
     layer_specs = tuple(groups[g].spec for g, _ in layer_slots)
     return KVCache(
-        keys=tuple(jnp.zeros(shape, cache_dtype) for _ in range(slots)),
-        values=tuple(jnp.zeros(shape, cache_dtype) for _ in range(slots)),
+        keys=tuple(_zeros(shape, cache_dtype, sharding) for _ in range(slots)),
+        values=tuple(_zeros(shape, cache_dtype, sharding) for _ in range(slots)),
         layer_slots=layer_slots,
         layer_specs=layer_specs,
     )

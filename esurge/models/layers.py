@@ -141,14 +141,18 @@ class MLP(nnx.Module):
         self.down_proj = serving_linear(config, i, h, bias=bias, dtype=dtype)
         self.activation = config.activation
         self.intermediate_size = i
+        self.shards = config.tensor_parallel
 
     def __call__(self, x: jax.Array,  # [T, hidden]
                  num_rows: jax.Array | None = None) -> jax.Array:  # [] real rows of x
         if isinstance(self.gate_up_proj, PackedGateUp):  # activation in the matmul
             return self.down_proj(self.gate_up_proj(x, num_rows), num_rows)
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x, num_rows)
-            gate, up = gate_up[..., :self.intermediate_size], gate_up[..., self.intermediate_size:]
+            # Per shard: [gate_i | up_i] (esurge.models.tensor_parallel).
+            gate_up = self.gate_up_proj(x, num_rows).reshape(x.shape[0], self.shards, -1)
+            half = self.intermediate_size // self.shards
+            gate = gate_up[..., :half].reshape(x.shape[0], -1)
+            up = gate_up[..., half:].reshape(x.shape[0], -1)
         elif self.gate_proj is not None and self.up_proj is not None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
@@ -177,6 +181,7 @@ class Attention(nnx.Module):
         self.q_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.k_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.shards = config.tensor_parallel
         self.scale = float(config.query_scale or d ** -0.5)
         self.softcap = config.attn_softcap
         self.sliding_window = layer.window if layer.kind is AttentionKind.SLIDING else None
@@ -209,9 +214,13 @@ class Attention(nnx.Module):
     def _project(self, x: jax.Array, num_rows: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         if self.qkv_proj is not None:
-            q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            qkv = self.qkv_proj(x, num_rows)
-            return qkv[:, :q_out], qkv[:, q_out:q_out + kv_out], qkv[:, q_out + kv_out:]
+            # Per shard: [q_i | k_i | v_i] (esurge.models.tensor_parallel).
+            t, s = x.shape[0], self.shards
+            q_out = self.num_heads * self.head_dim // s
+            kv_out = self.num_kv_heads * self.head_dim // s
+            qkv = self.qkv_proj(x, num_rows).reshape(t, s, -1)
+            q, k = qkv[..., :q_out], qkv[..., q_out:q_out + kv_out]
+            return q.reshape(t, -1), k.reshape(t, -1), qkv[..., q_out + kv_out:].reshape(t, -1)
         if self.q_proj is None or self.k_proj is None or self.v_proj is None:
             raise ValueError("Attention has neither fused nor separate q/k/v projections")
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
 from esurge.errors import InvalidConfigError
@@ -29,6 +30,7 @@ from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
 from esurge.models.fusion import fuse_projections, pack_projections
 from esurge.models.registry import architecture_of, policy_for
+from esurge.models.tensor_parallel import make_mesh, place_params, shard_layout
 
 __all__ = ["LOAD_DTYPES", "LoadedModel", "load_model", "resolve_dtype"]
 
@@ -54,6 +56,8 @@ class LoadedModel:
     # The checkpoint's transformers tokenizer (None without one): a GGUF's
     # comes from the same open file, so it is read here, once.
     hf_tokenizer: Any = None
+    # The devices the parameters are split over (None: one device).
+    mesh: Mesh | None = None
 
     @property
     def graphdef(self) -> nnx.GraphDef[CausalLM]:
@@ -67,7 +71,9 @@ class LoadedModel:
 
     def cache_groups(self, num_pages: int, page_size: int) -> CacheGroupsConfig:
         """The KV cache groups of this model over a pool of num_pages pages."""
-        return cache_groups_from_hf_config(self.hf_config, num_pages, page_size, self.dtype)
+        # The serving config's kv heads: replicated up to the TP degree when fewer.
+        return cache_groups_from_hf_config(self.hf_config, num_pages, page_size, self.dtype,
+                                           num_kv_heads=self.config.num_kv_heads)
 
 
 def _param_name(path: tuple[Any, ...]) -> str:
@@ -119,17 +125,26 @@ def _peak_rss_mib() -> float:
 
 
 def load_model(model_path: str | Path, dtype: str = "auto", *,
-               fuse: bool = True, pack: bool | None = None) -> LoadedModel:
+               fuse: bool = True, pack: bool | None = None,
+               tensor_parallel_size: int = 1) -> LoadedModel:
     """Load a checkpoint (an HF directory or a .gguf file) for serving.
 
     dtype: "auto" (see resolve_dtype), "float32" or "bfloat16".
     fuse: bring the projections into the serving layout (esurge.models.fusion);
     False keeps the checkpoint's own module tree and parameter names.
     pack: also store them in column panels for the CPU matmul kernel (needs
-    fuse); None packs where the kernels serve the dtype (XLA:CPU, float32).
+    fuse); None packs where the kernels serve the dtype (XLA:CPU, float32)
+    and the model runs on one device.
+    tensor_parallel_size: split the model over that many devices
+    (esurge.models.tensor_parallel); InvalidConfigError naming the field when
+    the heads do not divide or the devices do not exist.
     """
     if pack and not fuse:
         raise ValueError("pack=True needs fuse=True")
+    if pack and tensor_parallel_size > 1:
+        raise InvalidConfigError("tensor_parallel_size", "packed weights are not laid out per "
+                                 "shard yet: pack=True needs tensor_parallel_size=1")
+    mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
     start = time.perf_counter()
     source = open_checkpoint(model_path)
     hf_config = source.hf_config()
@@ -142,11 +157,15 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
     graphdef, abstract_params = nnx.split(abstract)
     params = _read_params(nnx.to_pure_dict(abstract_params), source, jdtype)
     state = ModelState(graphdef=graphdef, params=params)
+    if mesh is not None:
+        config, state = shard_layout(config, state, tensor_parallel_size, jdtype)
     if fuse:
         config, state = fuse_projections(config, state, jdtype)
-    if fuse and (kernels_serve(jdtype) if pack is None else pack):
+    if fuse and mesh is None and (kernels_serve(jdtype) if pack is None else pack):
         # Without AVX-512 the panels serve small buckets only (packed_linear.py).
         config, state = pack_projections(config, state, jdtype, dual=not cpu_has_avx512())
+    if mesh is not None:
+        state = place_params(state, mesh)
     hf_tokenizer = source.tokenizer()
     jax.block_until_ready(state.params)
     log.info("loaded %s (%s, %s) in %.1fs; peak host memory %.0f MiB", source.path,
@@ -163,4 +182,5 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
         source_kind=source.kind,
         dtype_reason=reason,
         hf_tokenizer=hf_tokenizer,
+        mesh=mesh,
     )

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from esurge.models.cpu_kernels import kernels_serve, paged_attention_kernel
+from esurge.models.local_shards import over_local_heads
 from esurge.models.rope import apply_rope
 
 __all__ = [
@@ -272,11 +273,19 @@ def write_and_attend(
     """
     if _use_kernel(backend, q, k, v, k_cache, v_cache):
         # The kernel walks the flat rows; tiles only help the XLA formulation.
-        out, k_cache, v_cache = paged_attention_kernel(
-            q, k, v, slot_mapping, k_cache, v_cache, metadata.positions, metadata.token_req,
-            metadata.page_tables, metadata.num_tokens, scale=scale,
-            sliding_window=sliding_window, chunk_size=chunk_size, softcap=softcap, rope=rope)
-        return out, k_cache, v_cache
+        def kernel(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
+                   k_cache: jax.Array, v_cache: jax.Array, *replicated: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            positions, token_req, page_tables, num_tokens, *cos_sin = replicated
+            return paged_attention_kernel(
+                q, k, v, slots, k_cache, v_cache, positions, token_req, page_tables,
+                num_tokens, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size,
+                softcap=softcap, rope=(cos_sin[0], cos_sin[1]) if cos_sin else None)
+
+        replicated = (metadata.positions, metadata.token_req, metadata.page_tables,
+                      metadata.num_tokens, *(rope or ()))
+        return over_local_heads(kernel, len(replicated))(q, k, v, slot_mapping, k_cache,
+                                                         v_cache, *replicated)
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)

@@ -14,6 +14,7 @@ import numpy as np
 from esurge.models.forward import ModelState
 from esurge.outputs import TokenLogprobs
 from esurge.runner.device_step import prompt_logprobs_step
+from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import MAX_LOGPROBS
 from esurge.runner.step_inputs import StepInputs
@@ -66,7 +67,7 @@ class PromptLogprobsComputer:
         tgt_arr = np.zeros(size, np.int32)
         row_arr[:len(rows)] = rows
         tgt_arr[:len(targets)] = targets
-        ids, lps, ranks = (np.asarray(a) for a in prompt_logprobs_step(
+        ids, lps, ranks = (to_host(a) for a in prompt_logprobs_step(
             self._model_state, hidden, row_arr, tgt_arr, MAX_LOGPROBS))
         out: dict[str, list[TokenLogprobs | None]] = {}
         for req_id, first, count, lead_none in spans:

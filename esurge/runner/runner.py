@@ -14,6 +14,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from esurge.core.page_budget import stable_page_count
 from esurge.models.kv_cache import KVCache, init_kv_cache
 from esurge.models.loader import LoadedModel
 from esurge.models.paged_attention import kernel_serves
+from esurge.models.tensor_parallel import kv_cache_sharding, replicated, tp_degree
 from esurge.outputs import ModelRunnerOutput
 from esurge.runner.buckets import StepBuckets
 from esurge.runner.input_batch import InputBatch
@@ -60,7 +62,7 @@ def _available_host_bytes() -> int:
 
 
 def _available_device_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
     return int(limit - used) if limit else _available_host_bytes()
 
@@ -102,8 +104,10 @@ class eSurgeRunner:
         max_pages = math.ceil(self.max_model_len / self.page_size)
         self.input_batch = InputBatch(self.max_rows, self.max_model_len,
                                       len(self.cache_groups.groups), max_pages, model.vocab_size)
-        self.device = DeviceState(init_kv_cache(self.cache_groups),
-                                  jnp.zeros(self.max_rows, jnp.int32))
+        self.mesh = model.mesh
+        kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
+        self.device = DeviceState(init_kv_cache(self.cache_groups, sharding=kv_sharding),
+                                  replicated(jnp.zeros(self.max_rows, jnp.int32), self.mesh))
         # Request id -> its row in the last plain step's sampled tokens (async feedback).
         self.prev_index: dict[str, int] = {}
         self.prompt_logprobs = PromptLogprobsComputer(model.model_state)
@@ -125,6 +129,11 @@ class eSurgeRunner:
         bursts = (DecodeBurstStep(self),) if self.decode_steps > 1 else ()
         return (*bursts, GreedyStep(self), SampledStep(self))
 
+    def on_mesh(self) -> AbstractContextManager[object]:
+        """The context every step is traced and run under: the model's mesh, so
+        kernels that must see their own shard find it (esurge.models.local_shards)."""
+        return nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
     @property
     def kv_cache(self) -> KVCache:
         """The paged KV cache as the last step left it."""
@@ -142,6 +151,8 @@ class eSurgeRunner:
         page_bytes = probe.bytes_per_page
         if self.num_spec:
             page_bytes += probe.bytes_per_page // probe.group_size
+        # Every device holds its kv heads' share of every page.
+        page_bytes = -(-page_bytes // tp_degree(self.model.mesh))
         budget = int(_available_device_bytes() * fraction)
         sched = self.config.scheduler_config
         useful = sched.max_num_seqs * math.ceil(self.max_model_len / self.page_size) + 1
@@ -156,7 +167,8 @@ class eSurgeRunner:
 
     def warmup(self, progress: WarmupProgress | None = None) -> float:
         """Compile every bucket now; returns the seconds it took."""
-        return warm_up(self, progress)
+        with self.on_mesh():
+            return warm_up(self, progress)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step synchronously."""
@@ -164,6 +176,10 @@ class eSurgeRunner:
 
     def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Apply the schedule to the persistent batch and start the step on the device."""
+        with self.on_mesh():
+            return self._dispatch(scheduler_output)
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         self._update_batch(scheduler_output)
         if scheduler_output.is_empty():
             return PendingStep(None)
@@ -193,7 +209,8 @@ class eSurgeRunner:
         """Wait for a dispatched step; record and return its sampled tokens."""
         if pending.kind is None:
             return ModelRunnerOutput.empty()
-        return pending.kind.collect(pending)
+        with self.on_mesh():
+            return pending.kind.collect(pending)
 
     def sampler_variants(self) -> list[SamplerVariant]:
         """Every sampler variant a batch can need (compiled at warm-up)."""

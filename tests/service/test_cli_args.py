@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from esurge.settings import EngineSettings
 from service.cli_args import (
     FlagError,
@@ -218,6 +218,10 @@ def test_settings_flags_reach_the_settings(model_dir: Path) -> None:
     defaults = _args(model_dir)
     plain = build_config(defaults, model_max_len=1024)
     assert plain is not None and build_settings(defaults, plain) == EngineSettings()
+    job = _args(model_dir, "--tensor-parallel-size", "4", "--num-hosts", "2", "--host-rank",
+                "1", "--coordinator-address", "10.0.0.1:7000")
+    assert build_settings(job, plain).parallel_config == ParallelConfig(
+        tensor_parallel_size=4, num_hosts=2, host_rank=1, coordinator_address="10.0.0.1:7000")
 
 
 @pytest.mark.parametrize(
@@ -227,6 +231,11 @@ def test_settings_flags_reach_the_settings(model_dir: Path) -> None:
         (["--memory-fraction", "1.5"], "--memory-fraction", "got 1.5"),
         (["--num-speculative-tokens", "2", "--speculative-model", "{draft}", "--decode-steps",
           "4"], "--decode-steps", "decode_steps=4 with speculative decoding"),
+        (["--num-hosts", "2"], "--coordinator-address", "'host:port' when num_hosts > 1"),
+        (["--num-hosts", "2", "--host-rank", "2", "--coordinator-address", "h:1"],
+         "--host-rank", "in [0, num_hosts=2)"),
+        (["--num-hosts", "2", "--tensor-parallel-size", "3", "--coordinator-address", "h:1"],
+         "--tensor-parallel-size", "a multiple of num_hosts=2"),
     ],
 )
 def test_settings_refusals_name_the_flag(model_dir: Path, tmp_path: Path, flags: list[str],

@@ -32,8 +32,8 @@ SMALL_ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-
 class ServeProcess:
     """`python -m service` on a free port, its log collected as it comes."""
 
-    def __init__(self, model: Path, *flags: str) -> None:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "service", "--model", str(model), "--port", "0", *flags],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.runner.device_step import model_step, sample_step
+from esurge.runner.host_read import to_host
 from esurge.runner.packed_inputs import pack_inputs
 from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
@@ -54,7 +55,7 @@ class GrammarFeed:
         pending.grammar_seen = True
         if inputs.num_steps > 1 or not self.grammars.any_in(inputs.req_ids):
             return
-        tokens = np.asarray(sampled.token_ids)
+        tokens = to_host(sampled.token_ids)
         for i, req_id in enumerate(inputs.req_ids):
             if inputs.samples[i]:
                 self.grammars.advance(req_id, int(inputs.sample_positions[i]), [int(tokens[i])])
@@ -122,7 +123,7 @@ def collect_plain(runner: eSurgeRunner, pending: PendingStep) -> ModelRunnerOutp
     if inputs is None or sampled is None:
         return ModelRunnerOutput.empty()
     runner.grammar_feed.observe(pending)
-    tokens = np.asarray(sampled.token_ids)
+    tokens = to_host(sampled.token_ids)
     n = len(inputs.req_ids)
     if inputs.num_steps > 1:  # [K, R]: every request samples each iteration
         sampled_ids = tokens[:, :n].T.tolist()
@@ -145,8 +146,8 @@ def _logprobs(inputs: StepInputs, sampled: SamplerOutput, wanted: np.ndarray | N
     if (wanted is None or sampled.logprobs is None or sampled.logprob_token_ids is None
             or sampled.ranks is None):
         return None
-    ids, lps = np.asarray(sampled.logprob_token_ids), np.asarray(sampled.logprobs)
-    ranks = np.asarray(sampled.ranks)
+    ids, lps = to_host(sampled.logprob_token_ids), to_host(sampled.logprobs)
+    ranks = to_host(sampled.ranks)
     out: list[list[TokenLogprobs] | None] = []
     for i in range(len(inputs.req_ids)):
         n = int(wanted[i])

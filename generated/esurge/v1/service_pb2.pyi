@@ -240,7 +240,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("server_version", "api_version", "library_versions", "config", "page_size", "num_pages", "num_speculative_tokens", "platform", "num_devices")
+    __slots__ = ("server_version", "api_version", "library_versions", "config", "page_size", "num_pages", "num_speculative_tokens", "platform", "num_devices", "mesh_axes")
     class LibraryVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,13 @@ class GetServerInfoResponse(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MeshAxesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     LIBRARY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +264,7 @@ class GetServerInfoResponse(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    MESH_AXES_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     api_version: str
     library_versions: _containers.ScalarMap[str, str]
@@ -266,7 +274,8 @@ class GetServerInfoResponse(_message.Message):
     num_speculative_tokens: int
     platform: str
     num_devices: int
-    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., library_versions: _Optional[_Mapping[str, str]] = ..., config: _Optional[_Union[_config_pb2.EngineConfig, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., platform: _Optional[str] = ..., num_devices: _Optional[int] = ...) -> None: ...
+    mesh_axes: _containers.ScalarMap[str, int]
+    def __init__(self, server_version: _Optional[str] = ..., api_version: _Optional[str] = ..., library_versions: _Optional[_Mapping[str, str]] = ..., config: _Optional[_Union[_config_pb2.EngineConfig, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., platform: _Optional[str] = ..., num_devices: _Optional[int] = ..., mesh_axes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

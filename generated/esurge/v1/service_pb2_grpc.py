@@ -32,8 +32,11 @@ class EngineServiceStub:
     `grpc-status-details-bin` trailer: bad input is INVALID_ARGUMENT with a
     `google.rpc.BadRequest` naming each bad field, overload is
     RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo`, a draining server is
-    UNAVAILABLE, an engine failure is INTERNAL. Cancelling a call or letting
-    its deadline pass aborts its requests and frees their KV pages.
+    UNAVAILABLE, an engine failure is INTERNAL. On a multi-host engine
+    (`--num-hosts`), a follower host that dies or diverges is an engine
+    failure: the calls in flight end with INTERNAL (the message names the
+    host) and health turns NOT_SERVING. Cancelling a call or letting its
+    deadline pass aborts its requests and frees their KV pages.
     """
 
     def __init__(self, channel):
@@ -96,8 +99,11 @@ class EngineServiceServicer:
     `grpc-status-details-bin` trailer: bad input is INVALID_ARGUMENT with a
     `google.rpc.BadRequest` naming each bad field, overload is
     RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo`, a draining server is
-    UNAVAILABLE, an engine failure is INTERNAL. Cancelling a call or letting
-    its deadline pass aborts its requests and frees their KV pages.
+    UNAVAILABLE, an engine failure is INTERNAL. On a multi-host engine
+    (`--num-hosts`), a follower host that dies or diverges is an engine
+    failure: the calls in flight end with INTERNAL (the message names the
+    host) and health turns NOT_SERVING. Cancelling a call or letting its
+    deadline pass aborts its requests and frees their KV pages.
     """
 
     def Generate(self, request, context):
@@ -234,8 +240,11 @@ class EngineService:
     `grpc-status-details-bin` trailer: bad input is INVALID_ARGUMENT with a
     `google.rpc.BadRequest` naming each bad field, overload is
     RESOURCE_EXHAUSTED with a `google.rpc.RetryInfo`, a draining server is
-    UNAVAILABLE, an engine failure is INTERNAL. Cancelling a call or letting
-    its deadline pass aborts its requests and frees their KV pages.
+    UNAVAILABLE, an engine failure is INTERNAL. On a multi-host engine
+    (`--num-hosts`), a follower host that dies or diverges is an engine
+    failure: the calls in flight end with INTERNAL (the message names the
+    host) and health turns NOT_SERVING. Cancelling a call or letting its
+    deadline pass aborts its requests and frees their KV pages.
     """
 
     @staticmethod

@@ -36,8 +36,10 @@ from esurge.core.kv_cache_spec import (
 from esurge.models.forward import ModelState
 from esurge.models.kv_cache import KVCache
 from esurge.models.loader import LoadedModel
+from esurge.models.tensor_parallel import kv_cache_sharding, replicated
 from esurge.outputs import TokenLogprobs
 from esurge.runner.device_step import model_step_features
+from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
@@ -88,7 +90,10 @@ class SpecDecoder:
         if not spec.use_eagle() or spec.speculative_model is None:
             raise ValueError(f"speculative_config does not enable Eagle: {spec!r}")
         self.num_spec = spec.num_speculative_tokens
-        self.head = load_eagle_head(spec.speculative_model, model.config, model.dtype)
+        # Under tensor parallelism the head is replicated: it is one small layer,
+        # and its drafts must be the same on every device.
+        self.head = replicated(load_eagle_head(spec.speculative_model, model.config,
+                                               model.dtype), model.mesh)
         config = self.head.config
         self.layout = config.layout
         # The head names layer inputs; forward reports layer outputs (input of i = output of i-1).
@@ -98,8 +103,11 @@ class SpecDecoder:
         self.group, self.window = _draft_group(groups)
         self.cache: DraftKVCache = init_draft_cache(config, num_pages, page_size,
                                                     jnp.dtype(model.dtype))
-        self.prob_buffer = jnp.zeros((max_rows + 1, self.num_spec, model.vocab_size),
-                                     jnp.float32)
+        if model.mesh is not None:
+            self.cache = jax.device_put(jax.tree.map(np.asarray, self.cache),
+                                        kv_cache_sharding(model.mesh, config.num_kv_heads))
+        self.prob_buffer = replicated(jnp.zeros((max_rows + 1, self.num_spec, model.vocab_size),
+                                                jnp.float32), model.mesh)
         self._sink = max_rows
         self._free_slots = list(range(max_rows - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
@@ -201,9 +209,9 @@ class SpecDecoder:
     def finish(self, ib: InputBatch, inputs: StepInputs, step: SpecStep
                ) -> tuple[list[list[int]], list[list[int]]]:
         """Record the emitted tokens; (emitted ids, next drafts) per scheduled request."""
-        tokens = np.asarray(step.verified.token_ids)
-        num_out = np.asarray(step.verified.num_out)
-        drafts = np.asarray(step.drafts)
+        tokens = to_host(step.verified.token_ids)
+        num_out = to_host(step.verified.num_out)
+        drafts = to_host(step.drafts)
         emitted: list[list[int]] = []
         proposals: list[list[int]] = []
         verifications = drafted = accepted = 0
@@ -243,8 +251,8 @@ class SpecDecoder:
         if verified.logprobs is None or verified.logprob_token_ids is None or (
                 verified.ranks is None):
             return None
-        ids, lps = np.asarray(verified.logprob_token_ids), np.asarray(verified.logprobs)
-        ranks, num_out = np.asarray(verified.ranks), np.asarray(verified.num_out)
+        ids, lps = to_host(verified.logprob_token_ids), to_host(verified.logprobs)
+        ranks, num_out = to_host(verified.ranks), to_host(verified.num_out)
         out: list[list[TokenLogprobs] | None] = []
         for i in range(len(inputs.req_ids)):
             n = int(num_logprobs[inputs.rows[i]])

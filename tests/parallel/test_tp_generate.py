@@ -1,0 +1,117 @@
+"""Tensor-parallel generation gives one device's tokens, for every family and option."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from esurge import EngineSettings, ParallelConfig, eSurge
+from esurge.errors import InvalidConfigError
+from esurge.models.loader import load_model
+from esurge.spec_decode.config import EagleLayout
+from tests.parallel.conftest import GREEDY, Run, assert_same_run, engine_config, run_workload
+from tests.spec_decode.helpers import random_head, spec_config
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+
+
+def tp_run(path: Path, tp: int, **kwargs: object) -> Run:
+    with eSurge(path, engine_config(), warmup=False, show_progress=False,
+                parallel_config=ParallelConfig(tp), **kwargs) as llm:  # type: ignore[arg-type]
+        assert llm.runner.mesh is not None and llm.runner.mesh.size == tp
+        return run_workload(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tokens_match_one_device(family: str, tp: int, checkpoint: Callable[..., Path],
+                                 reference: Callable[..., Run]) -> None:
+    # 4 query heads, 2 kv heads: TP 4 replicates each kv head twice.
+    want = reference(family)
+    # The pool is small enough that requests preempt each other (Mistral's
+    # sliding window frees pages as it goes, so it never needs to).
+    assert (want.preemptions > 0) is (family != "mistral")
+    assert_same_run(tp_run(checkpoint(family), tp), want)
+
+
+@pytest.mark.slow
+def test_eight_way_with_a_padded_vocabulary(checkpoint: Callable[..., Path],
+                                            reference: Callable[..., Run]) -> None:
+    # 8 heads over 8 devices; 250 vocabulary rows padded to 256 (6 masked columns).
+    shape = {"num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 250}
+    model = load_model(checkpoint("llama", **shape), tensor_parallel_size=8)
+    assert model.config.padded_vocab_size == 256 and model.vocab_size == 250
+    assert_same_run(tp_run(checkpoint("llama", **shape), 8), reference("llama", **shape))
+
+
+@pytest.mark.slow
+def test_decode_bursts(checkpoint: Callable[..., Path], reference: Callable[..., Run]) -> None:
+    got = tp_run(checkpoint("llama"), 2, settings=EngineSettings(decode_steps=4))
+    assert_same_run(got, reference("llama"))
+
+
+@pytest.mark.slow
+def test_eagle_drafts_verify_to_the_same_tokens(tmp_path: Path,
+                                                checkpoint: Callable[..., Path]) -> None:
+    target = checkpoint("llama")
+    head = random_head(target, tmp_path / "head", EagleLayout.EAGLE1, seed=3)
+    prompts = [[5, 9, 22, 7, 3, 14, 60, 2, 8, 8, 31], [4, 8, 15, 16, 23, 42]]
+    results = {}
+    for tp in (1, 2, 4):
+        with eSurge(target, spec_config(2, head), warmup=False, show_progress=False,
+                    parallel_config=ParallelConfig(tp)) as llm:
+            outs = llm.generate(prompts, GREEDY)
+            stats = llm.runner.spec_stats
+        results[tp] = [o.outputs[0].token_ids for o in outs]
+        assert stats is not None and stats.num_draft_tokens > 0
+    assert results[2] == results[1] and results[4] == results[1]
+
+
+_KERNELS_OFF = """
+import json, sys
+from esurge import ParallelConfig, eSurge
+from tests.parallel.conftest import engine_config, run_workload
+out = {}
+for tp in (1, 2):
+    with eSurge(sys.argv[1], engine_config(), warmup=False, show_progress=False,
+                parallel_config=ParallelConfig(tp)) as llm:
+        run = run_workload(llm)
+    out[tp] = [run.greedy, run.again, run.seeded]
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_without_the_cpu_kernels(checkpoint: Callable[..., Path],
+                                 reference: Callable[..., Run]) -> None:
+    env = {**os.environ, "ESURGE_CPU_KERNELS": "0"}
+    done = subprocess.run([sys.executable, "-c", _KERNELS_OFF, str(checkpoint("gemma2"))],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    runs = json.loads(line.removeprefix("RESULT "))
+    want = reference("gemma2")
+    for tp in ("1", "2"):
+        assert runs[tp] == [want.greedy, want.again, want.seeded]
+
+
+def test_more_devices_than_exist_is_refused(checkpoint: Callable[..., Path]) -> None:
+    with pytest.raises(InvalidConfigError) as err:
+        load_model(checkpoint("llama"), tensor_parallel_size=16)
+    assert err.value.field == "tensor_parallel_size"
+    assert "16" in str(err.value) and "8" in str(err.value)
+
+
+def test_heads_that_do_not_divide_are_refused(checkpoint: Callable[..., Path]) -> None:
+    with pytest.raises(InvalidConfigError) as err:
+        load_model(checkpoint("llama"), tensor_parallel_size=3)
+    assert err.value.field == "tensor_parallel_size"
+    assert "4 attention heads" in str(err.value)

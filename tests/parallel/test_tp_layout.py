@@ -1,0 +1,106 @@
+"""What tensor parallelism compiles to: collectives, per-device bytes, donation."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from esurge import ParallelConfig, SamplingParams, eSurge
+from esurge.models.tensor_parallel import param_spec
+from esurge.runner.device_step import model_step, prompt_logprobs_step, sample_step
+from esurge.runner.packed_inputs import pack_inputs
+from esurge.runner.steps.padding import padding_batch
+from tests.engine.conftest import mixed_prompts
+from tests.parallel.conftest import GREEDY, engine_config
+
+_COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|all-to-all|"
+                         r"reduce-scatter|collective-permute)\(")
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def engine(request: pytest.FixtureRequest, checkpoint: Callable[..., Path]) -> Iterator[eSurge]:
+    with eSurge(checkpoint("llama"), engine_config(), warmup=False, show_progress=False,
+                parallel_config=ParallelConfig(request.param)) as llm:
+        yield llm
+
+
+def _collectives(llm: eSurge, tokens: int = 16, requests: int = 8
+                 ) -> list[tuple[str, tuple[int, ...]]]:
+    runner = llm.runner
+    flat, layout = pack_inputs(padding_batch(runner, tokens, requests),
+                               np.full(tokens, -1, np.int32))
+    with runner.on_mesh():
+        text = model_step.lower(runner.model.model_state, runner.kv_cache, flat,
+                                runner.device.prev_tokens, layout).compile().as_text()
+    return [(op, tuple(int(d) for d in dims.split(",") if d))
+            for _, dims, op in _COLLECTIVE.findall(text)]
+
+
+@pytest.mark.slow
+def test_one_all_reduce_per_row_parallel_matmul_and_no_weight_gathered(engine: eSurge) -> None:
+    ops = _collectives(engine)
+    layers = engine.model.config.num_layers
+    # The design: the embedding's vocab-parallel lookup, then o_proj and
+    # down_proj of each layer, each one all-reduce of the [tokens, hidden] sums.
+    reduces = [shape for op, shape in ops if op == "all-reduce"]
+    assert reduces == [(16, engine.model.config.hidden_size)] * (1 + 2 * layers)
+    weights = {tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(engine.model.params)}
+    gathers = [shape for op, shape in ops if op == "all-gather"]
+    # Greedy over vocab-parallel logits gathers each shard's (max, index) pair,
+    # never a weight nor a logits row.
+    assert all(shape not in weights for shape in gathers)
+    assert all(math.prod(shape) < engine.model.vocab_size for shape in gathers)
+    assert {op for op, _ in ops} <= {"all-reduce", "all-gather"}
+
+
+def _device_bytes(tree: object, device: jax.Device) -> int:
+    return sum(shard.data.nbytes for leaf in jax.tree_util.tree_leaves(tree)
+               for shard in leaf.addressable_shards if shard.device == device)
+
+
+@pytest.mark.slow
+def test_each_device_holds_its_share(engine: eSurge) -> None:
+    tp = engine.runner.mesh.size
+    leaves = jax.tree_util.tree_leaves_with_path(engine.model.params)
+    whole = sum(leaf.nbytes for _, leaf in leaves)
+    # Norm weights are the documented replication.
+    names = [tuple(str(getattr(k, "key", k)) for k in path) for path, _ in leaves]
+    copied = sum(leaf.nbytes for name, (_, leaf) in zip(names, leaves, strict=True)
+                 if all(axis is None for axis in param_spec(name, leaf.ndim)))
+    assert copied == engine.model.config.hidden_size * 4 * (1 + 2 * engine.model.config.num_layers)
+    cache = engine.runner.kv_cache
+    cache_bytes = sum(a.nbytes for a in (*cache.keys, *cache.values))
+    for device in engine.runner.mesh.devices.flat:
+        assert _device_bytes(engine.model.params, device) == (whole - copied) // tp + copied
+        assert _device_bytes((cache.keys, cache.values), device) == cache_bytes // tp
+
+
+@pytest.mark.slow
+def test_the_cache_is_donated_into_every_step(engine: eSurge) -> None:
+    before = engine.runner.kv_cache.keys[0]
+    sharding = before.sharding
+    engine.generate([[3, 4, 5, 6, 7]], GREEDY)
+    after = engine.runner.kv_cache.keys[0]
+    assert before.is_deleted()
+    assert after.sharding == sharding
+
+
+@pytest.mark.slow
+def test_no_compile_after_warm_up(checkpoint: Callable[..., Path]) -> None:
+    with eSurge(checkpoint("llama"), engine_config(), show_progress=False,
+                parallel_config=ParallelConfig(2)) as llm:
+        before = tuple(f._cache_size() for f in (model_step, sample_step, prompt_logprobs_step))
+        llm.generate(mixed_prompts(8, vocab=250), [
+            SamplingParams(temperature=0, max_tokens=8),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8),
+            SamplingParams(temperature=0, logprobs=2, max_tokens=8, prompt_logprobs=1),
+            SamplingParams(temperature=1.0, frequency_penalty=0.5, max_tokens=8),
+        ] * 2)
+        after = tuple(f._cache_size() for f in (model_step, sample_step, prompt_logprobs_step))
+    assert after == before
