@@ -32,7 +32,7 @@ from esurge.engine.multihost.lockstep import (
 from esurge.engine.output_processor import OutputProcessor
 from esurge.engine.request_output import RequestDelta, RequestOutput
 from esurge.engine.stats import EngineStats, StatsRecorder
-from esurge.errors import InvalidConfigError
+from esurge.errors import InvalidConfigError, InvalidRequestError, RequestField
 from esurge.models.checkpoint import hf_tokenizer_of
 from esurge.models.loader import LoadedModel, load_model
 from esurge.packaged import resolve_model_path
@@ -261,6 +261,13 @@ class eSurge:
         engine's error) only, not a RequestDelta per step."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
+        if (prepared.params.structured_outputs is not None
+                and self.settings.parallel_config.is_multihost):
+            # Followers would need the compiled grammar (its matchers do not cross
+            # the step channel) to build the same token masks.
+            raise InvalidRequestError(RequestField.sampling("structured_outputs"),
+                                      "structured outputs are not supported on a multi-host "
+                                      "engine yet")
         eos = self.inputs.eos_token_id
         grammar = self.grammars.compile(prepared.params.structured_outputs)
         future = self._loop.submit(rid, prepared.prompt, prepared.prompt_token_ids,

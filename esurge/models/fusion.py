@@ -31,7 +31,7 @@ from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
 from esurge.models.packed_linear import pack_gate_up, pack_weight
 
-__all__ = ["fuse_projections", "pack_projections", "state_for"]
+__all__ = ["fuse_layer", "fuse_projections", "pack_projections", "state_for"]
 
 
 def _by_shard(arrays: list[jax.Array], shards: int) -> jax.Array:
@@ -51,7 +51,8 @@ def _concat(parts: list[dict[str, Any]], shards: int) -> dict[str, Any]:
     return fused
 
 
-def _fuse_layer(layer: dict[str, Any], shards: int) -> dict[str, Any]:
+def fuse_layer(layer: dict[str, Any], shards: int) -> dict[str, Any]:
+    """One decoder layer's subtree with q/k/v and gate/up fused (grouped per shard)."""
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
     attn["qkv_proj"] = _concat([attn.pop("q_proj"), attn.pop("k_proj"), attn.pop("v_proj")],
                                shards)
@@ -65,7 +66,7 @@ def fuse_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype
     if config.fused_projections:
         return config, state
     fused_config = dataclasses.replace(config, fused_projections=True)
-    params = _map_layers(state.params, lambda layer: _fuse_layer(layer, config.tensor_parallel))
+    params = _map_layers(state.params, lambda layer: fuse_layer(layer, config.tensor_parallel))
     return fused_config, state_for(fused_config, params, dtype)
 
 

@@ -30,7 +30,8 @@ from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
 from esurge.models.fusion import fuse_projections, pack_projections
 from esurge.models.registry import architecture_of, policy_for
-from esurge.models.tensor_parallel import make_mesh, place_params, shard_layout
+from esurge.models.sharded_load import load_onto_mesh, read_tree
+from esurge.models.tensor_parallel import make_mesh
 
 __all__ = ["LOAD_DTYPES", "LoadedModel", "load_model", "resolve_dtype"]
 
@@ -76,21 +77,10 @@ class LoadedModel:
                                            num_kv_heads=self.config.num_kv_heads)
 
 
-def _param_name(path: tuple[Any, ...]) -> str:
-    return ".".join(str(getattr(key, "key", key)) for key in path)
-
-
 def _read_params(abstract: Params, source: CheckpointSource, dtype: jnp.dtype) -> Params:
-    def load(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
-        name = _param_name(path)
-        array = source.read(name)
-        if tuple(array.shape) != tuple(leaf.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected "
-                             f"{tuple(leaf.shape)}")
-        return jnp.asarray(array, dtype=dtype)
-
     try:
-        return jax.tree_util.tree_map_with_path(load, abstract)
+        params: Params = read_tree(abstract, source, dtype)
+        return params
     finally:
         source.close()
 
@@ -155,17 +145,20 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
     jdtype = LOAD_DTYPES[dtype]
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=jdtype))
     graphdef, abstract_params = nnx.split(abstract)
-    params = _read_params(nnx.to_pure_dict(abstract_params), source, jdtype)
-    state = ModelState(graphdef=graphdef, params=params)
     if mesh is not None:
-        config, state = shard_layout(config, state, tensor_parallel_size, jdtype)
-    if fuse:
-        config, state = fuse_projections(config, state, jdtype)
-    if fuse and mesh is None and (kernels_serve(jdtype) if pack is None else pack):
-        # Without AVX-512 the panels serve small buckets only (packed_linear.py).
-        config, state = pack_projections(config, state, jdtype, dual=not cpu_has_avx512())
-    if mesh is not None:
-        state = place_params(state, mesh)
+        try:
+            config, state = load_onto_mesh(nnx.to_pure_dict(abstract_params), source, config,
+                                           jdtype, mesh, fuse)
+        finally:
+            source.close()
+    else:
+        params = _read_params(nnx.to_pure_dict(abstract_params), source, jdtype)
+        state = ModelState(graphdef=graphdef, params=params)
+        if fuse:
+            config, state = fuse_projections(config, state, jdtype)
+        if fuse and (kernels_serve(jdtype) if pack is None else pack):
+            # Without AVX-512 the panels serve small buckets only (packed_linear.py).
+            config, state = pack_projections(config, state, jdtype, dual=not cpu_has_avx512())
     hf_tokenizer = source.tokenizer()
     jax.block_until_ready(state.params)
     log.info("loaded %s (%s, %s) in %.1fs; peak host memory %.0f MiB", source.path,

@@ -6,11 +6,15 @@ changes is decided here, at load time:
 
 - the mesh: one `tp` axis over the first `tensor_parallel_size` devices,
   with Auto axis types so the model code runs unchanged under it;
-- the layout (`shard_layout`): kv heads replicated up to the TP degree when
-  there are fewer, the vocabulary padded to a multiple of it, and fused
-  projections laid out per shard ([q_i | k_i | v_i], [gate_i | up_i]) so a
-  shard's columns of a fused weight are exactly its own heads' (the model
-  splits a fused output per shard, `DecoderConfig.tensor_parallel`);
+- the layout (`replicated_kv_config`, `replicate_layer_kv`, `pad_vocab`,
+  applied layer by layer by esurge.models.sharded_load): kv heads replicated
+  up to the TP degree when there are fewer, the vocabulary padded to a
+  multiple of it, and fused projections laid out per shard ([q_i | k_i |
+  v_i], [gate_i | up_i]) so a shard's columns of a fused weight are exactly
+  its own heads' (the model splits a fused output per shard,
+  `DecoderConfig.tensor_parallel`);
+- the mesh of a multi-host job takes the same number of devices from each
+  host (`make_mesh`);
 - the rules (`param_spec`): one function from a parameter's path to its
   PartitionSpec. q/k/v and gate/up are column-parallel, o and down
   row-parallel (their partial sums meet in one all-reduce each), embedding
@@ -32,13 +36,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from esurge.errors import InvalidConfigError
 from esurge.models.decoder_config import DecoderConfig
-from esurge.models.forward import ModelState, Params
-from esurge.models.fusion import state_for
+from esurge.models.forward import Params
 from esurge.models.local_shards import TP_AXIS
 
 __all__ = [
     "TP_AXIS", "check_divisible", "kv_cache_sharding", "make_mesh", "pad_vocab", "param_spec",
-    "place_params", "replicate_kv_heads", "replicated", "shard_layout", "tp_degree",
+    "place_tree", "replicate_layer_kv", "replicated", "replicated_kv_config", "tp_degree",
 ]
 
 FIELD = "tensor_parallel_size"
@@ -100,28 +103,29 @@ def _repeat_heads(array: jax.Array, kv: int, times: int) -> jax.Array:
     return jnp.repeat(grouped, times, axis=0).reshape(-1, *array.shape[1:])
 
 
-def replicate_kv_heads(config: DecoderConfig, params: Params, size: int
-                       ) -> tuple[DecoderConfig, Params]:
-    """The unfused model with its kv heads repeated up to `size` (when fewer).
+def replicated_kv_config(config: DecoderConfig, size: int) -> DecoderConfig:
+    """The config laid out for size shards: kv heads repeated up to size when
+    fewer, tensor_parallel set (InvalidConfigError when the heads do not divide)."""
+    check_divisible(config, size)
+    return dataclasses.replace(config, num_kv_heads=max(config.num_kv_heads, size),
+                               tensor_parallel=size)
+
+
+def replicate_layer_kv(layer: dict[str, Any], kv: int, size: int) -> dict[str, Any]:
+    """One unfused layer's k/v projections with each of its kv heads repeated
+    size / kv times (as is when kv >= size).
 
     Query head h reads kv head h // (heads / kv); repeating each kv head
-    size / kv times keeps that mapping with size kv heads, so every shard
-    holds the one kv head its query heads read.
+    keeps that mapping with size kv heads, so every shard holds the one kv
+    head its query heads read.
     """
-    kv = config.num_kv_heads
     if kv >= size:
-        return config, params
-    times = size // kv
-    model = dict(params["model"])
-    layers = {}
-    for i, layer in model["layers"].items():
-        attn = dict(layer["self_attn"])
-        for name in ("k_proj", "v_proj"):
-            attn[name] = {key: _repeat_heads(value, kv, times)
-                          for key, value in attn[name].items() if value is not None}
-        layers[i] = {**layer, "self_attn": attn}
-    model["layers"] = layers
-    return dataclasses.replace(config, num_kv_heads=size), {**params, "model": model}
+        return layer
+    attn = dict(layer["self_attn"])
+    for name in ("k_proj", "v_proj"):
+        attn[name] = {key: _repeat_heads(value, kv, size // kv)
+                      for key, value in attn[name].items() if value is not None}
+    return {**layer, "self_attn": attn}
 
 
 def pad_vocab(config: DecoderConfig, params: Params) -> Params:
@@ -142,19 +146,6 @@ def pad_vocab(config: DecoderConfig, params: Params) -> Params:
     return out
 
 
-def shard_layout(config: DecoderConfig, state: ModelState, size: int, dtype: jnp.dtype
-                 ) -> tuple[DecoderConfig, ModelState]:
-    """The unfused model laid out for `size` shards: kv heads replicated up to
-    it, vocabulary padded to a multiple of it; fusing it afterwards groups the
-    fused columns per shard (esurge.models.fusion)."""
-    if config.fused_projections:
-        raise ValueError("shard_layout takes the checkpoint's unfused layout")
-    check_divisible(config, size)
-    config, params = replicate_kv_heads(config, state.params, size)
-    config = dataclasses.replace(config, tensor_parallel=size)
-    return config, state_for(config, pad_vocab(config, params), dtype)
-
-
 def param_spec(path: tuple[str, ...], ndim: int) -> PartitionSpec:
     """The PartitionSpec of the parameter at path (module names, then weight/bias)."""
     module, leaf = (path[-2], path[-1]) if len(path) >= 2 else ("", path[-1])
@@ -173,14 +164,13 @@ def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
     return tuple(str(getattr(key, "key", key)) for key in path)
 
 
-def place_params(state: ModelState, mesh: Mesh) -> ModelState:
-    """The model's parameters moved onto the mesh, each split by its rule."""
+def place_tree(tree: Any, mesh: Mesh, prefix: tuple[str, ...] = ()) -> Any:
+    """A parameter subtree (at path prefix) moved onto the mesh, each leaf split by its rule."""
     def place(path: tuple[Any, ...], array: jax.Array) -> jax.Array:
-        spec = param_spec(_path_names(path), array.ndim)
+        spec = param_spec(prefix + _path_names(path), array.ndim)
         return jax.device_put(_host_copy(array), NamedSharding(mesh, spec))
 
-    params = jax.tree_util.tree_map_with_path(place, state.params)
-    return ModelState(state.graphdef, params)
+    return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int | None = None) -> NamedSharding:

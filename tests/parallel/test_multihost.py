@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from esurge import ParallelConfig, SamplingParams, eSurge
+from esurge.structured_output.params import StructuredOutputsParams
 from service.client import EngineClient
+from service.errors import field_violations, status_from_rpc_error
 from tests.parallel.conftest import engine_config
 from tests.service.test_server_cli import ServeProcess
 
@@ -80,6 +82,15 @@ def test_two_hosts_serve_the_one_process_tokens_and_fail_fast_when_one_dies(
         assert (info.num_devices, dict(info.mesh_axes)) == (4, {"tp": 4})
         out = client.generate_unary(PROMPT, PARAMS)
         assert list(out.completions[0].token_ids) == want
+        constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            choice=["yes", "no"]))
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate_unary(PROMPT, constrained)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        status = status_from_rpc_error(refused.value)
+        assert status is not None
+        assert [v.field for v in field_violations(status)] == [
+            "request.sampling_params.structured_outputs"]
 
         long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
         stream = client.generate(PROMPT, long, request_id="in-flight")

@@ -104,3 +104,36 @@ def test_no_compile_after_warm_up(checkpoint: Callable[..., Path]) -> None:
         ] * 2)
         after = tuple(f._cache_size() for f in (model_step, sample_step, prompt_logprobs_step))
     assert after == before
+
+
+def _staged_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays() if len(a.sharding.device_set) == 1)
+
+
+def test_loading_stages_one_layer_at_a_time(checkpoint: Callable[..., Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from esurge.models import sharded_load
+    from esurge.models.loader import load_model
+
+    gc.collect()
+    baseline = _staged_bytes()
+    staged: list[int] = []
+    place = sharded_load.place_tree
+
+    def spy(tree: object, mesh: object, prefix: tuple[str, ...] = ()) -> object:
+        staged.append(_staged_bytes() - baseline)  # what sits whole on one device now
+        return place(tree, mesh, prefix)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sharded_load, "place_tree", spy)
+    model = load_model(checkpoint("llama", num_hidden_layers=8), tensor_parallel_size=4)
+    leaves = jax.tree_util.tree_leaves(model.params)
+    total = sum(leaf.nbytes for leaf in leaves)
+    first = model.params["model"]["layers"][0]
+    layer = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(first))
+    vocab = 2 * model.params["model"]["embed_tokens"]["weight"].nbytes  # embedding + LM head
+    assert len(staged) == 2 + 8  # the vocabulary tables, the final norm, each layer
+    # At most one layer read and its fused copy, beside the vocabulary tables.
+    assert max(staged) <= vocab + 2 * layer < total / 2
+    assert all(leaf.sharding.mesh is model.mesh for leaf in leaves)  # type: ignore[attr-defined]
