@@ -37,6 +37,11 @@ __all__ = ["EngineDeadError", "EngineLoop", "FinishListener", "OutputCallback"]
 log = logging.getLogger(__name__)
 
 
+# How long `EngineLoop.fail` lets the loop stop by itself before failing its
+# requests from outside.
+FORCED_FAIL_S = 2.0
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop failed or was shut down; the request cannot complete."""
 
@@ -97,6 +102,7 @@ class EngineLoop:
         self._callbacks: dict[str, OutputCallback] = {}
         self._final_only: set[str] = set()  # requests whose callback wants the last output only
         self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
+        self._fail_lock = threading.Lock()
         self._stopping = False
         self.error: BaseException | None = None
         self._finish_listeners: list[FinishListener] = []
@@ -158,10 +164,23 @@ class EngineLoop:
         """Abort a request if it is still running (idempotent)."""
         self._commands.put(_Abort(request_id))
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, grace_s: float = FORCED_FAIL_S) -> None:
         """End the loop with error from another thread (a multi-host follower
-        left): at its next command, as if its step had raised it."""
+        left): at its next command, as if its step had raised it. A loop still
+        running after grace_s is stuck inside a step (a collective waiting for
+        the host that left): its requests are failed from here, and `alive`
+        turns False, so nothing waits on it."""
         self._commands.put(_Fail(error))
+        timer = threading.Timer(grace_s, self._force_fail, args=(error,))
+        timer.daemon = True
+        timer.start()
+
+    def _force_fail(self, error: BaseException) -> None:
+        if not self._thread.is_alive():
+            return
+        log.error("the engine loop is stuck in a step after %r; failing its requests", error)
+        self.error = error
+        self._fail_all(EngineDeadError(f"engine loop stopped: {error!r}"))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; requests still running get an EngineDeadError."""
@@ -329,6 +348,10 @@ class EngineLoop:
             log.exception("output callback failed")
 
     def _fail_all(self, error: EngineDeadError) -> None:
+        with self._fail_lock:  # the loop thread, or _force_fail's timer
+            self._fail_all_locked(error)
+
+    def _fail_all_locked(self, error: EngineDeadError) -> None:
         callbacks, self._callbacks = self._callbacks, {}
         self._final_only.clear()
         for request_id, callback in callbacks.items():

@@ -10,15 +10,33 @@ wrapped in `shard_map` here, when the mesh the runner traces under
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["TP_AXIS", "over_local_heads"]
+__all__ = ["TP_AXIS", "host_visible", "over_local_heads"]
 
 TP_AXIS = "tp"
 
 AttentionCall = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+Tree = TypeVar("Tree")
+
+
+def _tp_mesh() -> jax.sharding.AbstractMesh | None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
+        return None
+    return mesh
+
+
+def host_visible(tree: Tree) -> Tree:
+    """A step's outputs that the host reads (sampled tokens, logprobs), pinned
+    replicated on the context mesh: every host of a multi-host job then holds
+    the whole result and reads its own copy (esurge.runner.host_read)."""
+    if _tp_mesh() is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, PartitionSpec()), tree)
 
 
 def over_local_heads(call: AttentionCall, num_replicated: int) -> AttentionCall:
@@ -32,8 +50,8 @@ def over_local_heads(call: AttentionCall, num_replicated: int) -> AttentionCall:
     device, which is what a replicated model (an Eagle head whose kv heads do
     not divide) needs.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
+    mesh = _tp_mesh()
+    if mesh is None:
         return call
     size = mesh.shape[TP_AXIS]
     heads = PartitionSpec(None, TP_AXIS, None)  # [T, heads, head_dim]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward
 from esurge.models.kv_cache import KVCache
+from esurge.models.local_shards import host_visible
 from esurge.runner.packed_inputs import InputLayout
 from esurge.runner.sampler import (
     SamplerOutput,
@@ -44,7 +45,7 @@ def model_step(
     ids = _fed_back_ids(batch, prev_index, prev_tokens)
     logits, hidden, kv_cache = forward(model_state, kv_cache,
                                        dataclasses.replace(batch, input_ids=ids))
-    return logits, hidden, kv_cache, pad_tokens(_argmax(logits), prev_tokens.shape[0])
+    return logits, hidden, kv_cache, host_visible(pad_tokens(_argmax(logits), prev_tokens.shape[0]))
 
 
 def _fed_back_ids(batch: ForwardBatch, prev_index: jax.Array,  # [T]
@@ -107,7 +108,8 @@ def decode_burst_step(
     first_ids = _fed_back_ids(batch, prev_index, prev_tokens)
     (kv_cache, _), tokens = jax.lax.scan(iteration, (kv_cache, first_ids),
                                          jnp.arange(layout.num_steps))
-    return tokens, kv_cache, pad_tokens(tokens[-1], prev_tokens.shape[0])
+    last = pad_tokens(tokens[-1], prev_tokens.shape[0])
+    return host_visible(tokens), kv_cache, host_visible(last)
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers",))
@@ -149,8 +151,8 @@ def sample_step(
 ) -> tuple[SamplerOutput, jax.Array]:
     """The sampled tokens, and the same padded to the fixed-shape buffer
     [feedback_size] the next model step reads (one dispatch, not two)."""
-    out = sample(logits, tensors, variant)
-    return out, pad_tokens(out.token_ids, feedback_size)
+    out = host_visible(sample(logits, tensors, variant))
+    return out, host_visible(pad_tokens(out.token_ids, feedback_size))
 
 
 @partial(jax.jit, static_argnums=(4,))
@@ -162,4 +164,5 @@ def prompt_logprobs_step(
     top_n: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of prompt tokens: (ids [T, 1 + n], logprobs [T, 1 + n], ranks [T])."""
-    return token_logprobs(model_state.module().compute_logits(hidden[rows]), targets, top_n)
+    return host_visible(token_logprobs(model_state.module().compute_logits(hidden[rows]),
+                                       targets, top_n))

@@ -100,7 +100,7 @@ def test_two_hosts_serve_the_one_process_tokens_and_fail_fast_when_one_dies(
         with pytest.raises(grpc.RpcError) as ended:
             for _ in stream:
                 pass
-        assert ended.value.code() == grpc.StatusCode.INTERNAL
+        assert ended.value.code() == grpc.StatusCode.INTERNAL, leader.log[-5000:]
         while client.health() != "NOT_SERVING":
             assert time.monotonic() - killed < 10, leader.log
             time.sleep(0.1)

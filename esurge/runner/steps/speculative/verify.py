@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from esurge.models.local_shards import host_visible
 from esurge.runner.sampler import (
     SamplerVariant,
     SamplingTensors,
@@ -119,11 +120,13 @@ def verify(
         num_out = jnp.where(sampled_req, s_num, num_out)
         noise = _draft_noise(tensors, k, draft_vocab)
     if not variant.logprobs:
-        return SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise)
+        return host_visible(SpecSamplerOutput(token_ids=tokens, num_out=num_out,
+                                              draft_noise=noise))
     ids, lps, ranks = token_logprobs(raw, tokens.reshape(-1))
-    return SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise,
-                             logprob_token_ids=ids.reshape(r, s, -1),
-                             logprobs=lps.reshape(r, s, -1), ranks=ranks.reshape(r, s))
+    return host_visible(SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise,
+                                          logprob_token_ids=ids.reshape(r, s, -1),
+                                          logprobs=lps.reshape(r, s, -1),
+                                          ranks=ranks.reshape(r, s)))
 
 
 verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab"))
