@@ -21,6 +21,7 @@ from esurge.models.batch import ForwardBatch
 from esurge.models.decoder_config import AttentionKind, DecoderConfig, LayerAttention, RopeConfig
 from esurge.models.kv_cache import KVCache
 from esurge.models.layers import DecoderLayer, Embedding, embedding_scale, make_norm, serving_linear
+from esurge.models.local_shards import Split
 from esurge.models.paged_attention import AttentionMetadata
 from esurge.models.rope import rope_cos_sin
 
@@ -77,7 +78,8 @@ class CausalLM(nnx.Module):
         self.model = DecoderModel(config, dtype=dtype)
         self.lm_head = (None if config.tie_word_embeddings
                         else serving_linear(config, config.hidden_size,
-                                            config.padded_vocab_size, bias=False, dtype=dtype))
+                                            config.padded_vocab_size, bias=False, dtype=dtype,
+                                            split=Split.COLUMN))
 
     def __call__(
         self,

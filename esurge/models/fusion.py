@@ -31,7 +31,8 @@ from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
 from esurge.models.packed_linear import pack_gate_up, pack_weight
 
-__all__ = ["fuse_layer", "fuse_projections", "pack_projections", "state_for"]
+__all__ = ["fuse_layer", "fuse_projections", "pack_layer", "pack_lm_head", "pack_per_shard",
+           "pack_projections", "packed_config", "state_for"]
 
 
 def _by_shard(arrays: list[jax.Array], shards: int) -> jax.Array:
@@ -77,27 +78,57 @@ def _map_layers(params: Params, change: Callable[[dict[str, Any]], dict[str, Any
     return {**params, "model": model}
 
 
-def _packed(linear: dict[str, Any], input_major: bool, dual: bool) -> dict[str, Any]:
+def pack_per_shard(pack: Callable[[jax.Array], jax.Array], weight: jax.Array,  # [in, out]
+                   shards: int) -> jax.Array:
+    """Each shard's block of columns packed on its own, the packs concatenated
+    (panel axis first), so splitting the panels evenly hands each shard its own."""
+    blocks = jnp.split(weight, shards, axis=1)
+    return jnp.concatenate([pack(block) for block in blocks], axis=0)
+
+
+def _packed(linear: dict[str, Any], input_major: bool, dual: bool,
+            shards: int = 1) -> dict[str, Any]:
+    """A linear's weight packed; column-parallel ones (shards > 1) per shard."""
     weight = linear["weight"] if input_major else linear["weight"].T
-    packed = {**linear, "weight": pack_weight(weight)}
+    packed = {**linear, "weight": pack_per_shard(pack_weight, weight, shards)}
     if dual:
         packed["plain"] = weight
     return packed
 
 
-def _pack_layer(config: DecoderConfig, layer: dict[str, Any]) -> dict[str, Any]:
+def pack_layer(config: DecoderConfig, layer: dict[str, Any]) -> dict[str, Any]:
+    """One fused layer's projections packed (config: the packed serving config).
+
+    Column-parallel projections (q/k/v, gate/up) are packed per shard; the
+    row-parallel ones (o, down) whole, their panels then split by input rows.
+    """
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
-    dual = config.dual_layout
-    attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True, dual=dual)
+    dual, shards = config.dual_layout, config.tensor_parallel
+    attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True, dual=dual, shards=shards)
     attn["o_proj"] = _packed(attn["o_proj"], input_major=False, dual=dual)
     if config.fused_gate_activation:
         weight = mlp["gate_up_proj"]["weight"]
-        mlp["gate_up_proj"] = {"weight": pack_gate_up(weight, config.intermediate_size),
-                               **({"plain": weight} if dual else {})}
+        local = config.intermediate_size // shards
+        panels = pack_per_shard(lambda block: pack_gate_up(block, local), weight, shards)
+        mlp["gate_up_proj"] = {"weight": panels, **({"plain": weight} if dual else {})}
     else:
-        mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True, dual=dual)
+        mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True, dual=dual,
+                                      shards=shards)
     mlp["down_proj"] = _packed(mlp["down_proj"], input_major=False, dual=dual)
     return {**layer, "self_attn": attn, "mlp": mlp}
+
+
+def pack_lm_head(config: DecoderConfig, lm_head: dict[str, Any]) -> dict[str, Any]:
+    """The untied LM head packed (vocab-parallel: per shard)."""
+    return _packed(lm_head, input_major=False, dual=config.dual_layout,
+                   shards=config.tensor_parallel)
+
+
+def packed_config(config: DecoderConfig, dual: bool) -> DecoderConfig:
+    """The fused config with packed weights (dual: plain weights kept too)."""
+    if not config.fused_projections:
+        raise ValueError("packed weights need the fused layout")
+    return dataclasses.replace(config, packed_weights=True, dual_layout=dual)
 
 
 def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
@@ -108,14 +139,11 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
         config, state = fuse_projections(config, state, dtype)
     if config.packed_weights:
         return config, state
-    if config.tensor_parallel > 1:
-        raise ValueError("packed weights are not laid out per shard yet: load a "
-                         f"{config.tensor_parallel}-way tensor-parallel model unpacked")
-    packed_config = dataclasses.replace(config, packed_weights=True, dual_layout=dual)
-    params = _map_layers(state.params, lambda layer: _pack_layer(packed_config, layer))
+    packed = packed_config(config, dual)
+    params = _map_layers(state.params, lambda layer: pack_layer(packed, layer))
     if params.get("lm_head") is not None:
-        params["lm_head"] = _packed(params["lm_head"], input_major=False, dual=dual)
-    return packed_config, state_for(packed_config, params, dtype)
+        params["lm_head"] = pack_lm_head(packed, params["lm_head"])
+    return packed, state_for(packed, params, dtype)
 
 
 def state_for(config: DecoderConfig, params: Params, dtype: jnp.dtype) -> ModelState:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
+from esurge.models.local_shards import Split
 from esurge.models.packed_linear import PackedGateUp, PackedLinear
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 
@@ -66,12 +67,14 @@ AnyLinear = Linear | InputMajorLinear | PackedLinear
 
 
 def serving_linear(config: DecoderConfig, in_features: int, out_features: int, *, bias: bool,
-                   dtype: jnp.dtype, fused: bool = False) -> AnyLinear:
+                   dtype: jnp.dtype, split: Split, fused: bool = False) -> AnyLinear:
     """The projection in the config's layout: packed, input-major (a fused
-    projection) or the checkpoint's own [out, in]."""
+    projection) or the checkpoint's own [out, in]. split: how tensor
+    parallelism cuts it (packed panels are laid out for it)."""
     if config.packed_weights:
         return PackedLinear(in_features, out_features, bias=bias, dtype=dtype,
-                            dual=config.dual_layout)
+                            dual=config.dual_layout, split=split,
+                            shards=config.tensor_parallel)
     if fused:
         return InputMajorLinear(in_features, out_features, bias=bias, dtype=dtype)
     return Linear(in_features, out_features, bias=bias, dtype=dtype)
@@ -132,13 +135,15 @@ class MLP(nnx.Module):
             self.up_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
             self.gate_up_proj: AnyLinear | PackedGateUp | None = None
         elif config.fused_gate_activation:
-            self.gate_up_proj = PackedGateUp(h, i, dtype=dtype, dual=config.dual_layout)
+            self.gate_up_proj = PackedGateUp(h, i, dtype=dtype, dual=config.dual_layout,
+                                             shards=config.tensor_parallel)
             self.gate_proj = self.up_proj = None
         else:
             self.gate_up_proj = serving_linear(config, h, 2 * i, bias=bias, dtype=dtype,
+                                               split=Split.COLUMN,
                                                fused=True)
             self.gate_proj = self.up_proj = None
-        self.down_proj = serving_linear(config, i, h, bias=bias, dtype=dtype)
+        self.down_proj = serving_linear(config, i, h, bias=bias, dtype=dtype, split=Split.ROW)
         self.activation = config.activation
         self.intermediate_size = i
         self.shards = config.tensor_parallel
@@ -174,10 +179,11 @@ class Attention(nnx.Module):
             self.qkv_proj: AnyLinear | None = None
         else:
             self.qkv_proj = serving_linear(config, h, q_out + 2 * kv_out, bias=bias, dtype=dtype,
+                                           split=Split.COLUMN,
                                            fused=True)
             self.q_proj = self.k_proj = self.v_proj = None
         self.o_proj = serving_linear(config, config.num_heads * d, h, bias=config.o_bias,
-                                     dtype=dtype)
+                                     dtype=dtype, split=Split.ROW)
         self.q_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.k_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d

@@ -123,17 +123,13 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
     fuse: bring the projections into the serving layout (esurge.models.fusion);
     False keeps the checkpoint's own module tree and parameter names.
     pack: also store them in column panels for the CPU matmul kernel (needs
-    fuse); None packs where the kernels serve the dtype (XLA:CPU, float32)
-    and the model runs on one device.
+    fuse); None packs where the kernels serve the dtype (XLA:CPU, float32).
     tensor_parallel_size: split the model over that many devices
     (esurge.models.tensor_parallel); InvalidConfigError naming the field when
     the heads do not divide or the devices do not exist.
     """
     if pack and not fuse:
         raise ValueError("pack=True needs fuse=True")
-    if pack and tensor_parallel_size > 1:
-        raise InvalidConfigError("tensor_parallel_size", "packed weights are not laid out per "
-                                 "shard yet: pack=True needs tensor_parallel_size=1")
     mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
     start = time.perf_counter()
     source = open_checkpoint(model_path)
@@ -145,10 +141,13 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
     jdtype = LOAD_DTYPES[dtype]
     abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=jdtype))
     graphdef, abstract_params = nnx.split(abstract)
+    packed = fuse and (kernels_serve(jdtype) if pack is None else pack)
+    # Without AVX-512 the panels serve small buckets only (packed_linear.py).
+    dual = not cpu_has_avx512()
     if mesh is not None:
         try:
             config, state = load_onto_mesh(nnx.to_pure_dict(abstract_params), source, config,
-                                           jdtype, mesh, fuse)
+                                           jdtype, mesh, fuse, packed, dual)
         finally:
             source.close()
     else:
@@ -156,9 +155,8 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
         state = ModelState(graphdef=graphdef, params=params)
         if fuse:
             config, state = fuse_projections(config, state, jdtype)
-        if fuse and (kernels_serve(jdtype) if pack is None else pack):
-            # Without AVX-512 the panels serve small buckets only (packed_linear.py).
-            config, state = pack_projections(config, state, jdtype, dual=not cpu_has_avx512())
+        if packed:
+            config, state = pack_projections(config, state, jdtype, dual=dual)
     hf_tokenizer = source.tokenizer()
     jax.block_until_ready(state.params)
     log.info("loaded %s (%s, %s) in %.1fs; peak host memory %.0f MiB", source.path,

@@ -9,13 +9,14 @@ wrapped in `shard_map` here, when the mesh the runner traces under
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import TypeVar
 
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["TP_AXIS", "host_visible", "over_local_heads"]
+__all__ = ["TP_AXIS", "Split", "host_visible", "over_local_heads", "over_local_panels"]
 
 TP_AXIS = "tp"
 
@@ -69,3 +70,40 @@ def over_local_heads(call: AttentionCall, num_replicated: int) -> AttentionCall:
         return sharded(*args)
 
     return run
+
+
+class Split(enum.Enum):
+    """How a projection's weight is split over the tp axis."""
+
+    NONE = "none"  # whole on every device
+    COLUMN = "column"  # output columns: each device computes its slice of y
+    ROW = "row"  # input rows: each device a partial y, summed over the axis
+
+
+MatmulCall = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def over_local_panels(call: MatmulCall, split: Split) -> MatmulCall | None:
+    """`call(x, panels, num_rows)` (the packed-matmul kernel) run per shard under
+    the context mesh, or None without one (the caller runs the whole weight).
+
+    COLUMN: x whole, the panels split by panel (each shard packed its own
+    columns), y split by columns. ROW: x and the panels split by input row,
+    the partial products summed with psum inside the shard_map.
+    """
+    mesh = _tp_mesh()
+    if mesh is None or split is Split.NONE:
+        return None
+    whole = PartitionSpec()
+    if split is Split.COLUMN:
+        return jax.shard_map(call, mesh=mesh,
+                             in_specs=(whole, PartitionSpec(TP_AXIS, None, None), whole),
+                             out_specs=PartitionSpec(None, TP_AXIS), check_vma=False)
+
+    def summed(x: jax.Array, panels: jax.Array, rows: jax.Array) -> jax.Array:
+        return jax.lax.psum(call(x, panels, rows), TP_AXIS)
+
+    return jax.shard_map(summed, mesh=mesh,
+                         in_specs=(PartitionSpec(None, TP_AXIS),
+                                   PartitionSpec(None, TP_AXIS, None), whole),
+                         out_specs=whole, check_vma=False)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
+from esurge.models.local_shards import Split, over_local_panels
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
            "packed_matmul", "packed_silu_mul"]
@@ -58,21 +59,41 @@ def _plain_takes(x: jax.Array, plain: nnx.Param[jax.Array] | None) -> bool:
     return plain is not None and x.shape[0] > DUAL_KERNEL_MAX_ROWS
 
 
+def _unpad_shards(y: jax.Array, shards: int, out_features: int) -> jax.Array:
+    """[T, shards * W] of per-shard padded columns -> [T, out_features]."""
+    local = out_features // shards
+    return y.reshape(y.shape[0], shards, -1)[:, :, :local].reshape(y.shape[0], out_features)
+
+
 def packed_matmul(
     x: jax.Array,  # [T, in]
     packed: jax.Array,  # [P, in, PANEL]
     out_features: int,
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
+    split: Split = Split.NONE,
+    shards: int = 1,  # COLUMN: the shards the panels were packed for (pack_layer)
 ) -> jax.Array:  # [T, out_features]
     """x @ W for a packed W: the CPU kernel for float32, else XLA.
 
     Rows at or past num_rows are padding: the kernel returns zeros for them
     without computing them; the XLA path computes them like the others.
+    Under a tensor-parallel mesh the kernel runs on each device's panels
+    (esurge.models.local_shards.over_local_panels).
     """
+    per_shard = split is Split.COLUMN and shards > 1
     if _kernel_takes(x, packed):
-        return packed_matmul_kernel(x, packed, out_features, num_rows)
+        rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+        local = out_features // shards if per_shard else out_features
+        sharded = over_local_panels(
+            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n), split)
+        if sharded is not None:
+            return sharded(x, packed, rows)
+        if per_shard:  # no mesh: the whole weight, each shard's padding dropped
+            whole = packed_matmul_kernel(x, packed, packed.shape[0] * PANEL, rows)
+            return _unpad_shards(whole, shards, out_features)
+        return packed_matmul_kernel(x, packed, out_features, rows)
     y = jnp.einsum("tk,pkn->tpn", x, packed).reshape(x.shape[0], -1)
-    return y[:, :out_features]
+    return _unpad_shards(y, shards, out_features) if per_shard else y[:, :out_features]
 
 
 def pack_gate_up(weight: jax.Array, intermediate: int) -> jax.Array:  # [in, 2I] -> [P, in, PANEL]
@@ -87,17 +108,33 @@ def pack_gate_up(weight: jax.Array, intermediate: int) -> jax.Array:  # [in, 2I]
 
 def packed_silu_mul(
     x: jax.Array,  # [T, in]
-    packed: jax.Array,  # [P, in, PANEL] from pack_gate_up
+    packed: jax.Array,  # [P, in, PANEL] from pack_gate_up (per shard when shards > 1)
     intermediate: int,
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
+    shards: int = 1,
 ) -> jax.Array:  # [T, intermediate]
     """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
-    (so the [T, 2I] product is never written); XLA elsewhere."""
+    (so the [T, 2I] product is never written); XLA elsewhere. Column-parallel
+    when shards > 1 (each shard's gate/up columns packed on their own)."""
     if _kernel_takes(x, packed):
-        return packed_matmul_kernel(x, packed, intermediate, num_rows, silu_mul=True)
+        rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+        local = intermediate // shards
+        sharded = over_local_panels(
+            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n, silu_mul=True),
+            Split.COLUMN if shards > 1 else Split.NONE)
+        if sharded is not None:
+            return sharded(x, packed, rows)
+        whole = packed_matmul_kernel(x, packed, packed.shape[0] * _HALF if shards > 1
+                                     else intermediate, rows, silu_mul=True)
+        return _unpad_shards(whole, shards, intermediate) if shards > 1 else whole
     y = jnp.einsum("tk,pkn->tpn", x, packed)
-    gate = y[..., :_HALF].reshape(x.shape[0], -1)[:, :intermediate]
-    up = y[..., _HALF:].reshape(x.shape[0], -1)[:, :intermediate]
+    gate = y[..., :_HALF].reshape(x.shape[0], -1)
+    up = y[..., _HALF:].reshape(x.shape[0], -1)
+    if shards > 1:
+        gate, up = _unpad_shards(gate, shards, intermediate), _unpad_shards(up, shards,
+                                                                            intermediate)
+    else:
+        gate, up = gate[:, :intermediate], up[:, :intermediate]
     return jax.nn.silu(gate) * up
 
 
@@ -109,18 +146,23 @@ class PackedGateUp(nnx.Module):
     """
 
     def __init__(self, in_features: int, intermediate: int, *, dtype: jnp.dtype,
-                 dual: bool = False):
-        self.weight = nnx.Param(jnp.zeros((-(-intermediate // _HALF), in_features, PANEL), dtype))
+                 dual: bool = False, shards: int = 1):
+        panels = shards * -(-(intermediate // shards) // _HALF)
+        self.weight = nnx.Param(jnp.zeros((panels, in_features, PANEL), dtype))
         self.plain = (nnx.Param(jnp.zeros((in_features, 2 * intermediate), dtype)) if dual
                       else None)
         self.intermediate = intermediate
+        self.shards = shards
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, intermediate]
         if _plain_takes(x, self.plain):
-            y = x @ self.plain[...]  # type: ignore[index]
-            return jax.nn.silu(y[:, :self.intermediate]) * y[:, self.intermediate:]
-        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows)
+            # The fused weight's columns are per shard: [gate_i | up_i].
+            y = (x @ self.plain[...]).reshape(x.shape[0], self.shards, -1)  # type: ignore[index]
+            local = self.intermediate // self.shards
+            gated = jax.nn.silu(y[..., :local]) * y[..., local:]
+            return gated.reshape(x.shape[0], self.intermediate)
+        return packed_silu_mul(x, self.weight[...], self.intermediate, num_rows, self.shards)
 
 
 class PackedLinear(nnx.Module):
@@ -131,8 +173,12 @@ class PackedLinear(nnx.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
-                 dual: bool = False):
-        self.weight = nnx.Param(jnp.zeros((num_panels(out_features), in_features, PANEL), dtype))
+                 dual: bool = False, split: Split = Split.NONE, shards: int = 1):
+        shards = shards if split is Split.COLUMN else 1
+        panels = shards * num_panels(out_features // shards)
+        self.weight = nnx.Param(jnp.zeros((panels, in_features, PANEL), dtype))
+        self.split = split
+        self.shards = shards
         self.plain = (nnx.Param(jnp.zeros((in_features, out_features), dtype)) if dual
                       else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
@@ -143,7 +189,8 @@ class PackedLinear(nnx.Module):
         if _plain_takes(x, self.plain):
             y = x @ self.plain[...]  # type: ignore[index]
         else:
-            y = packed_matmul(x, self.weight[...], self.out_features, num_rows)
+            y = packed_matmul(x, self.weight[...], self.out_features, num_rows, self.split,
+                              self.shards)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

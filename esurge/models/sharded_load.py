@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from esurge.models.checkpoint import CheckpointSource
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
-from esurge.models.fusion import fuse_layer, state_for
+from esurge.models.fusion import fuse_layer, pack_layer, pack_lm_head, packed_config, state_for
 from esurge.models.tensor_parallel import (
     pad_vocab,
     place_tree,
@@ -58,28 +58,44 @@ def _vocab_tables(abstract: Params, source: CheckpointSource, laid: DecoderConfi
 
 
 def load_onto_mesh(abstract: Params, source: CheckpointSource, config: DecoderConfig,
-                   dtype: jnp.dtype, mesh: Mesh, fuse: bool) -> tuple[DecoderConfig, ModelState]:
+                   dtype: jnp.dtype, mesh: Mesh, fuse: bool, pack: bool = False,
+                   dual: bool = False) -> tuple[DecoderConfig, ModelState]:
     """(serving config, placed model) from the checkpoint's tensors.
 
     abstract: the parameter shapes of `config` (the checkpoint's own layout).
-    fuse: bring the projections into the fused serving layout.
+    fuse: bring the projections into the fused serving layout; pack: then into
+    column panels per shard (esurge.models.fusion.pack_layer; dual keeps the
+    plain weights too).
     """
     size = tp_degree(mesh)
     laid = replicated_kv_config(config, size)
     final = dataclasses.replace(laid, fused_projections=fuse)
+    if pack:
+        final = packed_config(final, dual)
+
+    def serving(shapes: Params, where: tuple[str, ...]) -> Params:
+        # Each step rebinds `layer`, so the previous form can be freed at once.
+        layer = replicate_layer_kv(read_tree(shapes, source, dtype, where),
+                                   config.num_kv_heads, size)
+        if fuse:
+            layer = fuse_layer(layer, size)
+        if pack:
+            layer = pack_layer(final, layer)
+        return layer
+
     host = jax.local_devices(backend="cpu")[0]
     with jax.default_device(host):
-        params = place_tree(_vocab_tables(abstract, source, laid, dtype), mesh)
+        tables = _vocab_tables(abstract, source, laid, dtype)
+        if pack and tables.get("lm_head") is not None:
+            tables["lm_head"] = pack_lm_head(final, tables["lm_head"])
+        params = place_tree(tables, mesh)
         model = params["model"]
         model["norm"] = place_tree(read_tree(abstract["model"]["norm"], source, dtype,
                                              ("model", "norm")), mesh, ("model", "norm"))
         model["layers"] = {}
-        for i, layer_shapes in abstract["model"]["layers"].items():
+        for i, shapes in abstract["model"]["layers"].items():
             where = ("model", "layers", str(i))
-            layer = replicate_layer_kv(read_tree(layer_shapes, source, dtype, where),
-                                       config.num_kv_heads, size)
-            model["layers"][i] = place_tree(fuse_layer(layer, size) if fuse else layer,
-                                            mesh, where)
+            model["layers"][i] = place_tree(serving(shapes, where), mesh, where)
     if "lm_head" in abstract and abstract["lm_head"] is None:
         params["lm_head"] = None
     return final, state_for(final, params, dtype)

@@ -147,16 +147,28 @@ def pad_vocab(config: DecoderConfig, params: Params) -> Params:
 
 
 def param_spec(path: tuple[str, ...], ndim: int) -> PartitionSpec:
-    """The PartitionSpec of the parameter at path (module names, then weight/bias)."""
+    """The PartitionSpec of the parameter at path (module names, then the leaf:
+    weight, bias, or the plain weight a dual-layout packed module keeps).
+
+    A packed weight ([panels, in, PANEL]) of a column-parallel projection was
+    packed per shard and splits by panel; a row-parallel one splits by input
+    row. A plain (input-major, [in, out]) weight splits like its projection.
+    """
     module, leaf = (path[-2], path[-1]) if len(path) >= 2 else ("", path[-1])
-    if module in _VOCAB:
-        return PartitionSpec(TP_AXIS, None)
-    if module in _COLUMN_INPUT_MAJOR:
-        return PartitionSpec(None, TP_AXIS) if leaf == "weight" else PartitionSpec(TP_AXIS)
-    if module in _COLUMN_OUTPUT_MAJOR:
-        return PartitionSpec(TP_AXIS, None) if leaf == "weight" else PartitionSpec(TP_AXIS)
-    if module in _ROW and leaf == "weight":
-        return PartitionSpec(None, TP_AXIS)
+    column = module in _COLUMN_INPUT_MAJOR or module == "lm_head"
+    if module in _VOCAB and ndim == 2 and leaf == "weight":
+        return PartitionSpec(TP_AXIS, None)  # [vocab, hidden]
+    if column or module in _COLUMN_OUTPUT_MAJOR:
+        if leaf == "bias":
+            return PartitionSpec(TP_AXIS)
+        if ndim == 3:
+            return PartitionSpec(TP_AXIS, None, None)
+        input_major = leaf == "plain" or module in _COLUMN_INPUT_MAJOR
+        return PartitionSpec(None, TP_AXIS) if input_major else PartitionSpec(TP_AXIS, None)
+    if module in _ROW and leaf != "bias":
+        if ndim == 3:
+            return PartitionSpec(None, TP_AXIS, None)
+        return PartitionSpec(TP_AXIS, None) if leaf == "plain" else PartitionSpec(None, TP_AXIS)
     return PartitionSpec(*([None] * ndim))
 
 

@@ -25,6 +25,8 @@ from esurge.models.decoder_config import (
     RopeConfig,
     RopeType,
 )
+from esurge.models.fusion import pack_per_shard
+from esurge.models.local_shards import Split
 from esurge.models.packed_linear import (
     PANEL,
     pack_gate_up,
@@ -179,3 +181,26 @@ def test_packing_needs_fusion(make_pair: Callable[..., Pair]) -> None:
         DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_heads=2,
                       num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6,
                       activation=Activation.SILU, layers=(layer,), packed_weights=True)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "xla"])
+def test_panels_packed_per_shard_multiply_like_the_whole_weight(
+        kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a mesh (no shard_map) the whole per-shard packing runs, each
+    # shard's padding dropped: 2 shards of 48 columns, 16 padding columns each.
+    if not kernel:
+        monkeypatch.setattr(packed_linear, "kernels_serve", lambda dtype: False)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32)
+    panels = pack_per_shard(packed_linear.pack_weight, w, 2)
+    assert panels.shape == (4, 64, 32)
+    got = packed_linear.packed_matmul(x, panels, 96, jnp.asarray(5), Split.COLUMN, shards=2)
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
+    # gate/up per shard: [gate_0 | up_0 | gate_1 | up_1], 24 intermediate columns each.
+    gate_up = jnp.asarray(rng.standard_normal((64, 96)), jnp.float32)
+    blocks = gate_up.reshape(64, 2, 2, 24)
+    gate, up = blocks[:, :, 0].reshape(64, 48), blocks[:, :, 1].reshape(64, 48)
+    packed = pack_per_shard(lambda b: packed_linear.pack_gate_up(b, 24), gate_up, 2)
+    got = packed_linear.packed_silu_mul(x, packed, 48, jnp.asarray(5), shards=2)
+    np.testing.assert_allclose(got, jax.nn.silu(x @ gate) * (x @ up), rtol=1e-5, atol=1e-5)

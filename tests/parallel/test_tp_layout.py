@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from esurge import ParallelConfig, SamplingParams, eSurge
+from esurge.models.cpu_kernels import kernel_available
 from esurge.models.tensor_parallel import param_spec
 from esurge.runner.device_step import model_step, prompt_logprobs_step, sample_step
 from esurge.runner.packed_inputs import pack_inputs
@@ -30,16 +31,28 @@ def engine(request: pytest.FixtureRequest, checkpoint: Callable[..., Path]) -> I
         yield llm
 
 
-def _collectives(llm: eSurge, tokens: int = 16, requests: int = 8
-                 ) -> list[tuple[str, tuple[int, ...]]]:
+def _model_step_hlo(llm: eSurge, tokens: int = 16, requests: int = 8) -> str:
     runner = llm.runner
     flat, layout = pack_inputs(padding_batch(runner, tokens, requests),
                                np.full(tokens, -1, np.int32))
     with runner.on_mesh():
-        text = model_step.lower(runner.model.model_state, runner.kv_cache, flat,
-                                runner.device.prev_tokens, layout).compile().as_text()
+        return str(model_step.lower(runner.model.model_state, runner.kv_cache, flat,
+                                    runner.device.prev_tokens, layout).compile().as_text())
+
+
+def _collectives(llm: eSurge) -> list[tuple[str, tuple[int, ...]]]:
     return [(op, tuple(int(d) for d in dims.split(",") if d))
-            for _, dims, op in _COLLECTIVE.findall(text)]
+            for _, dims, op in _COLLECTIVE.findall(_model_step_hlo(llm))]
+
+
+@pytest.mark.slow
+def test_the_cpu_kernels_run_on_each_shard(engine: eSurge) -> None:
+    text = _model_step_hlo(engine)
+    layers = engine.model.config.num_layers
+    built = kernel_available()
+    # Per layer: attention, and the qkv, o, gate/up and down matmuls; then the LM head.
+    assert text.count('custom_call_target="esurge_paged_attention"') == layers * built
+    assert text.count('custom_call_target="esurge_packed_matmul"') == (4 * layers + 1) * built
 
 
 @pytest.mark.slow
