@@ -79,28 +79,35 @@ import json, sys
 from esurge import ParallelConfig, eSurge
 from tests.parallel.conftest import engine_config, run_workload
 out = {}
-for tp in (1, 2):
-    with eSurge(sys.argv[1], engine_config(), warmup=False, show_progress=False,
-                parallel_config=ParallelConfig(tp)) as llm:
-        run = run_workload(llm)
-    out[tp] = [run.greedy, run.again, run.seeded]
+for path in sys.argv[1:]:
+    for tp in (1, 2):
+        with eSurge(path, engine_config(), warmup=False, show_progress=False,
+                    parallel_config=ParallelConfig(tp)) as llm:
+            run = run_workload(llm)
+        out[f"{path}@{tp}"] = [run.greedy, run.again, run.seeded]
 print("RESULT " + json.dumps(out))
 """
+# GQA; q/k norms; sliding windows with soft-capping and sandwich norms.
+_KERNELS_OFF_FAMILIES = ("llama", "qwen3", "gemma2")
 
 
 @pytest.mark.slow
 def test_without_the_cpu_kernels(checkpoint: Callable[..., Path],
                                  reference: Callable[..., Run]) -> None:
+    # The pure-JAX attention and XLA matmuls (nothing packed), in a process of
+    # its own: the kernels are chosen once per process.
     env = {**os.environ, "ESURGE_CPU_KERNELS": "0"}
-    done = subprocess.run([sys.executable, "-c", _KERNELS_OFF, str(checkpoint("gemma2"))],
-                          env=env, capture_output=True, text=True, timeout=600,
+    paths = {family: str(checkpoint(family)) for family in _KERNELS_OFF_FAMILIES}
+    done = subprocess.run([sys.executable, "-c", _KERNELS_OFF, *paths.values()],
+                          env=env, capture_output=True, text=True, timeout=900,
                           cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     runs = json.loads(line.removeprefix("RESULT "))
-    want = reference("gemma2")
-    for tp in ("1", "2"):
-        assert runs[tp] == [want.greedy, want.again, want.seeded]
+    for family, path in paths.items():
+        want = reference(family)
+        for tp in (1, 2):
+            assert runs[f"{path}@{tp}"] == [want.greedy, want.again, want.seeded], family
 
 
 def test_more_devices_than_exist_is_refused(checkpoint: Callable[..., Path]) -> None:
