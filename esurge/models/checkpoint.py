@@ -58,6 +58,14 @@ class CheckpointSource(Protocol):
         """The parameter `name` (HF naming); MissingTensorError if absent."""
         ...
 
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """A slice of the parameter `name` (index: one slice per leading axis)."""
+        ...
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the parameter `name`; MissingTensorError if absent."""
+        ...
+
     def tokenizer(self) -> Any | None:
         """The checkpoint's transformers tokenizer (chat template included), if it has one."""
         ...
@@ -160,6 +168,24 @@ class HFDirectorySource:
             self._handles[file] = safe_open(str(file), framework="flax")
         return np.asarray(self._handles[file].get_tensor(name))
 
+    def _handle(self, name: str) -> Any:
+        file = self._files.get(name)
+        if file is None:
+            raise MissingTensorError(self.path, name)
+        if file not in self._handles:
+            # "flax" keeps bfloat16 tensors (numpy has no bfloat16 of its own).
+            self._handles[file] = safe_open(str(file), framework="flax")
+        return self._handles[file]
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        if not index:
+            return self.read(name)
+        # Only the slice's bytes are read from the file.
+        return np.asarray(self._handle(name).get_slice(name)[index])
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
     def tokenizer(self) -> Any | None:
         return hf_tokenizer_of(self.path)
 
@@ -192,6 +218,7 @@ class GGUFSource:
         if keep_open:
             _KEPT_OPEN[key] = self.gguf
         self._read: Any = None
+        self._last: tuple[str, np.ndarray] | None = None
 
     def hf_config(self) -> Any:
         config = self.gguf.hf_config()
@@ -218,12 +245,26 @@ class GGUFSource:
         except KeyError:
             raise MissingTensorError(self.path, name) from None
 
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        # GGUF tensors are dequantized whole; the last one is kept, since every
+        # device's slice of it is asked for in turn.
+        return self._whole(name)[index]
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._whole(name).shape)
+
+    def _whole(self, name: str) -> np.ndarray:
+        if self._last is None or self._last[0] != name:
+            self._last = (name, self.read(name))
+        return self._last[1]
+
     def tokenizer(self) -> Any | None:
         tokenizer = self.gguf.tokenizer()
         return None if tokenizer is None else tokenizer.hf_tokenizer
 
     def close(self) -> None:
         self._read = None
+        self._last = None
 
 
 def open_checkpoint(path: str | Path, *, keep_open: bool = False) -> CheckpointSource:

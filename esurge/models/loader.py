@@ -30,7 +30,7 @@ from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
 from esurge.models.fusion import fuse_projections, pack_projections
 from esurge.models.registry import architecture_of, policy_for
-from esurge.models.sharded_load import load_onto_mesh, read_tree
+from esurge.models.slice_load import load_onto_mesh
 from esurge.models.tensor_parallel import make_mesh
 
 __all__ = ["LOAD_DTYPES", "LoadedModel", "load_model", "resolve_dtype"]
@@ -78,9 +78,16 @@ class LoadedModel:
 
 
 def _read_params(abstract: Params, source: CheckpointSource, dtype: jnp.dtype) -> Params:
+    def load(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        name = ".".join(str(getattr(key, "key", key)) for key in path)
+        array = source.read(name)
+        if tuple(array.shape) != tuple(leaf.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected "
+                             f"{tuple(leaf.shape)}")
+        return jnp.asarray(array, dtype=dtype)
+
     try:
-        params: Params = read_tree(abstract, source, dtype)
-        return params
+        return jax.tree_util.tree_map_with_path(load, abstract)
     finally:
         source.close()
 

@@ -6,9 +6,9 @@ changes is decided here, at load time:
 
 - the mesh: one `tp` axis over the first `tensor_parallel_size` devices,
   with Auto axis types so the model code runs unchanged under it;
-- the layout (`replicated_kv_config`, `replicate_layer_kv`, `pad_vocab`,
-  applied layer by layer by esurge.models.sharded_load): kv heads replicated
-  up to the TP degree when there are fewer, the vocabulary padded to a
+- the layout (`replicated_kv_config`; each device's shard of it is read by
+  esurge.models.slice_load): kv heads replicated up to the TP degree when
+  there are fewer, the vocabulary padded to a
   multiple of it, and fused projections laid out per shard ([q_i | k_i |
   v_i], [gate_i | up_i]) so a shard's columns of a fused weight are exactly
   its own heads' (the model splits a fused output per shard,
@@ -30,18 +30,16 @@ import dataclasses
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from esurge.errors import InvalidConfigError
 from esurge.models.decoder_config import DecoderConfig
-from esurge.models.forward import Params
 from esurge.models.local_shards import TP_AXIS
 
 __all__ = [
-    "TP_AXIS", "check_divisible", "kv_cache_sharding", "make_mesh", "pad_vocab", "param_spec",
-    "place_tree", "replicate_layer_kv", "replicated", "replicated_kv_config", "tp_degree",
+    "TP_AXIS", "check_divisible", "kv_cache_sharding", "make_mesh", "param_spec",
+    "replicated", "replicated_kv_config", "tp_degree",
 ]
 
 FIELD = "tensor_parallel_size"
@@ -97,53 +95,12 @@ def check_divisible(config: DecoderConfig, size: int) -> None:
                                         + ", ".join(problems))
 
 
-def _repeat_heads(array: jax.Array, kv: int, times: int) -> jax.Array:
-    """[kv * d, ...] -> [kv * times * d, ...], each head's rows repeated in place."""
-    grouped = array.reshape(kv, -1, *array.shape[1:])
-    return jnp.repeat(grouped, times, axis=0).reshape(-1, *array.shape[1:])
-
-
 def replicated_kv_config(config: DecoderConfig, size: int) -> DecoderConfig:
     """The config laid out for size shards: kv heads repeated up to size when
     fewer, tensor_parallel set (InvalidConfigError when the heads do not divide)."""
     check_divisible(config, size)
     return dataclasses.replace(config, num_kv_heads=max(config.num_kv_heads, size),
                                tensor_parallel=size)
-
-
-def replicate_layer_kv(layer: dict[str, Any], kv: int, size: int) -> dict[str, Any]:
-    """One unfused layer's k/v projections with each of its kv heads repeated
-    size / kv times (as is when kv >= size).
-
-    Query head h reads kv head h // (heads / kv); repeating each kv head
-    keeps that mapping with size kv heads, so every shard holds the one kv
-    head its query heads read.
-    """
-    if kv >= size:
-        return layer
-    attn = dict(layer["self_attn"])
-    for name in ("k_proj", "v_proj"):
-        attn[name] = {key: _repeat_heads(value, kv, size // kv)
-                      for key, value in attn[name].items() if value is not None}
-    return {**layer, "self_attn": attn}
-
-
-def pad_vocab(config: DecoderConfig, params: Params) -> Params:
-    """Embedding and LM head rows padded to config.padded_vocab_size (zero rows:
-    no token id reads them, and compute_logits drops their columns)."""
-    extra = config.padded_vocab_size - config.vocab_size
-    if extra == 0:
-        return params
-
-    def pad(table: jax.Array) -> jax.Array:  # [vocab, hidden]
-        return jnp.pad(table, ((0, extra), (0, 0)))
-
-    model = dict(params["model"])
-    model["embed_tokens"] = {"weight": pad(model["embed_tokens"]["weight"])}
-    out = {**params, "model": model}
-    if params.get("lm_head") is not None:
-        out["lm_head"] = {"weight": pad(params["lm_head"]["weight"])}
-    return out
 
 
 def param_spec(path: tuple[str, ...], ndim: int) -> PartitionSpec:
@@ -170,19 +127,6 @@ def param_spec(path: tuple[str, ...], ndim: int) -> PartitionSpec:
             return PartitionSpec(None, TP_AXIS, None)
         return PartitionSpec(TP_AXIS, None) if leaf == "plain" else PartitionSpec(None, TP_AXIS)
     return PartitionSpec(*([None] * ndim))
-
-
-def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(str(getattr(key, "key", key)) for key in path)
-
-
-def place_tree(tree: Any, mesh: Mesh, prefix: tuple[str, ...] = ()) -> Any:
-    """A parameter subtree (at path prefix) moved onto the mesh, each leaf split by its rule."""
-    def place(path: tuple[Any, ...], array: jax.Array) -> jax.Array:
-        spec = param_spec(prefix + _path_names(path), array.ndim)
-        return jax.device_put(_host_copy(array), NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int | None = None) -> NamedSharding:

@@ -15,6 +15,7 @@ from esurge import EngineSettings, ParallelConfig, eSurge
 from esurge.errors import InvalidConfigError
 from esurge.models.loader import load_model
 from esurge.spec_decode.config import EagleLayout
+from tests.models.gguf_export import export_gguf
 from tests.parallel.conftest import GREEDY, Run, assert_same_run, engine_config, run_workload
 from tests.spec_decode.helpers import random_head, spec_config
 
@@ -122,3 +123,11 @@ def test_heads_that_do_not_divide_are_refused(checkpoint: Callable[..., Path]) -
         load_model(checkpoint("llama"), tensor_parallel_size=3)
     assert err.value.field == "tensor_parallel_size"
     assert "4 attention heads" in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_gguf_checkpoint(tmp_path: Path, checkpoint: Callable[..., Path],
+                           reference: Callable[..., Run]) -> None:
+    # GGUF tensors are dequantized whole and each device's slice cut from them.
+    gguf_path = export_gguf(checkpoint("llama"), "llama", tmp_path / "llama.gguf")
+    assert_same_run(tp_run(gguf_path, 2), reference("llama"))

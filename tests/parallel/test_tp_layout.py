@@ -119,34 +119,38 @@ def test_no_compile_after_warm_up(checkpoint: Callable[..., Path]) -> None:
     assert after == before
 
 
-def _staged_bytes() -> int:
-    return sum(a.nbytes for a in jax.live_arrays() if len(a.sharding.device_set) == 1)
-
-
-def test_loading_stages_one_layer_at_a_time(checkpoint: Callable[..., Path],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    import gc
-
-    from esurge.models import sharded_load
+def test_each_device_reads_only_its_slice(checkpoint: Callable[..., Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from esurge.models.checkpoint import HFDirectorySource
     from esurge.models.loader import load_model
 
-    gc.collect()
-    baseline = _staged_bytes()
-    staged: list[int] = []
-    place = sharded_load.place_tree
+    reads: list[tuple[str, int]] = []
+    whole: list[str] = []
+    read_slice, read = HFDirectorySource.read_slice, HFDirectorySource.read
 
-    def spy(tree: object, mesh: object, prefix: tuple[str, ...] = ()) -> object:
-        staged.append(_staged_bytes() - baseline)  # what sits whole on one device now
-        return place(tree, mesh, prefix)  # type: ignore[arg-type]
+    def spy_slice(self: HFDirectorySource, name: str, index: tuple[slice, ...]) -> object:
+        out = read_slice(self, name, index)
+        reads.append((name, out.size))
+        return out
 
-    monkeypatch.setattr(sharded_load, "place_tree", spy)
-    model = load_model(checkpoint("llama", num_hidden_layers=8), tensor_parallel_size=4)
-    leaves = jax.tree_util.tree_leaves(model.params)
-    total = sum(leaf.nbytes for leaf in leaves)
-    first = model.params["model"]["layers"][0]
-    layer = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(first))
-    vocab = 2 * model.params["model"]["embed_tokens"]["weight"].nbytes  # embedding + LM head
-    assert len(staged) == 2 + 8  # the vocabulary tables, the final norm, each layer
-    # At most one layer read and its fused copy, beside the vocabulary tables.
-    assert max(staged) <= vocab + 2 * layer < total / 2
-    assert all(leaf.sharding.mesh is model.mesh for leaf in leaves)  # type: ignore[attr-defined]
+    def spy_read(self: HFDirectorySource, name: str) -> object:
+        whole.append(name)
+        return read(self, name)
+
+    monkeypatch.setattr(HFDirectorySource, "read_slice", spy_slice)
+    monkeypatch.setattr(HFDirectorySource, "read", spy_read)
+    path = checkpoint("llama", num_attention_heads=8, num_key_value_heads=4)
+    model = load_model(path, tensor_parallel_size=4)
+    sizes = {name: math.prod(HFDirectorySource(path).tensor_shape(name)) for name, _ in reads}
+    # Every split tensor is read a quarter at a time, by each of the 4 devices
+    # (with dual layouts, twice: panels and plain weight); only the norms whole.
+    split = [(name, size) for name, size in reads if not name.endswith("norm.weight")]
+    assert [(n, s, sizes[n]) for n, s in split if s * 4 != sizes[n]] == []
+    projections = {f"model.layers.{i}.{m}.{p}_proj.weight" for i in range(2)
+                   for m, names in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+                   for p in names}
+    assert {name for name, _ in split} == projections | {"model.embed_tokens.weight",
+                                                         "lm_head.weight"}
+    assert whole and all(name.endswith("norm.weight") for name in whole)
+    assert all(leaf.sharding.mesh is model.mesh  # type: ignore[attr-defined]
+               for leaf in jax.tree_util.tree_leaves(model.params))
