@@ -1,7 +1,7 @@
 """Tensor parallelism on simulated CPU devices: step time, warm-up, per-device memory.
 
     .venv/bin/python bench/tensor_parallel.py [--degrees 1,2,4] [--reps 3]
-        [--requests 8] [--new-tokens 32] [--json PATH]
+        [--requests 8] [--new-tokens 32] [--eagle] [--json PATH]
 
 The model is a random Llama built here with transformers (hidden 512, 8
 layers, 8 query and 4 kv heads, MLP 1536, vocabulary 8192, float32; about
@@ -18,7 +18,8 @@ reports:
   too), from the median tokens/s of the runs.
 
 The degrees run alternately in one process (the simulated devices are
-XLA_FLAGS=--xla_force_host_platform_device_count=8, set here). They share
+XLA_FLAGS=--xla_force_host_platform_device_count=8, set here). --eagle
+first runs models/tiny-stdlib with its Eagle head at each degree. They share
 the machine's cores, so a degree > 1 shows the cost of the split
 (collectives, smaller matmuls, lost CPU-kernel packing), not a speed-up.
 """
@@ -85,6 +86,39 @@ def _timed_run(llm: eSurge, requests: int, new_tokens: int, seed: int) -> tuple[
     return wall, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def _eagle(degrees: list[int], reps: int) -> None:
+    """models/tiny-stdlib with its Eagle-3 head (k=3; the head replicated on
+    every device): tokens/s and acceptance per degree, 4 prompts of 128 held-out
+    tokens, 64 new tokens each, greedy."""
+    from bench.spec_decode import held_out_prompts
+    from esurge import SpeculativeConfig
+
+    model, head = Path("models/tiny-stdlib"), Path("models/tiny-stdlib-eagle")
+    config = Config(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512,
+                                    max_model_len=256, chunked_prefill_enabled=True,
+                                    max_num_seq_buckets=(4,)),
+                    CacheConfig(num_pages=96, page_size=16, enable_prefix_caching=False),
+                    SpeculativeConfig(3, str(head)))
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    print(f"\nEagle (k=3)\n{'tp':>3} {'tok/s':>8} {'vs tp1':>7} {'accepted/step':>14}")
+    base = None
+    for tp in degrees:
+        with eSurge(model, config, show_progress=False, parallel_config=ParallelConfig(tp)) as llm:
+            llm.generate(held_out_prompts(model, 4, seed=99), params)
+            rates = []
+            for rep in range(reps):
+                prompts = held_out_prompts(model, 4, seed=rep)
+                start = time.perf_counter()
+                outs = llm.generate(prompts, params)
+                rates.append(sum(len(o.outputs[0].token_ids) for o in outs)
+                             / (time.perf_counter() - start))
+            stats = llm.runner.spec_stats
+        rate = statistics.median(rates)
+        base = base or rate
+        accepted = stats.mean_acceptance_length if stats is not None else float("nan")
+        print(f"{tp:>3} {rate:>8.1f} {rate / base:>7.2f} {accepted:>14.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--degrees", default="1,2,4")
@@ -92,8 +126,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--eagle", action="store_true",
+                        help="also Eagle speculative decoding per degree (models/tiny-stdlib)")
     args = parser.parse_args()
     degrees = [int(d) for d in args.degrees.split(",")]
+    if args.eagle:
+        _eagle(degrees, args.reps)
     path = _model()
     engines = {}
     report: dict[int, dict[str, Any]] = {}

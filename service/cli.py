@@ -103,7 +103,10 @@ def _follow(args: argparse.Namespace, config: Config, settings: EngineSettings) 
         run_follower(args.model, config, settings)
     except LinkError as err:
         log.error("%s", err)
-        return 1
+        logging.shutdown()
+        # The job is broken: exiting normally would wait in jax.distributed's
+        # shutdown for a leader that may be gone.
+        os._exit(1)
     return 0
 
 

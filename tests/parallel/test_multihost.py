@@ -118,3 +118,14 @@ def test_a_follower_with_another_config_is_refused_at_the_handshake(
     finally:
         follower.stop()
         leader.stop()
+
+
+def test_a_follower_exits_when_its_leader_dies(job: tuple[ServeProcess, ServeProcess]) -> None:
+    leader, follower = job
+    port = int(leader.wait_for_log(r"listening on 127\.0\.0\.1:(\d+)").group(1))
+    with EngineClient(f"127.0.0.1:{port}", timeout=60) as client:
+        _wait_serving(client, leader)
+    follower.wait_for_log(r"host 1 follows the leader's steps")
+    leader.proc.kill()
+    assert follower.proc.wait(15) == 1, follower.log
+    assert "the other host closed the step channel" in follower.log
