@@ -102,6 +102,8 @@ def test_the_cache_is_donated_into_every_step(engine: eSurge) -> None:
     after = engine.runner.kv_cache.keys[0]
     assert before.is_deleted()
     assert after.sharding == sharding
+    # The sampled tokens the next step reads, and the host too, are whole on every device.
+    assert engine.runner.device.prev_tokens.sharding.is_fully_replicated
 
 
 @pytest.mark.slow
