@@ -217,9 +217,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=True, help="share cached prompt prefixes across requests")
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", type=_int_at_least(1), default=1,
-                          metavar="N", help="split the model over N devices of this host "
-                          "(attention by heads, the MLP by columns, the vocabulary by rows); "
-                          "the heads must divide (default: %(default)s)")
+                          metavar="N", help="split the model over N devices, of this host or "
+                          "of every host of a --num-hosts job (attention by heads, the MLP by "
+                          "columns, the vocabulary by rows); the heads must divide "
+                          "(default: %(default)s)")
     parallel.add_argument("--num-hosts", type=_int_at_least(1), default=1, metavar="N",
                           help="processes of one JAX job, each bringing tensor-parallel-size / N "
                           "devices; every host runs this command (default: %(default)s)")

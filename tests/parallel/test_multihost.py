@@ -21,8 +21,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 PROMPT = [5, 9, 22, 7, 3, 14, 60, 2, 8]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# Async scheduling as `make serve` runs: the leader dispatches step N + 1 before
+# it collects step N, and the followers mirror that order.
 ENGINE = ["--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--max-model-len", "128",
-          "--enable-chunked-prefill", "--num-pages", "64", "--page-size", "8"]
+          "--enable-chunked-prefill", "--num-pages", "64", "--page-size", "8",
+          "--async-scheduling"]
 # Each process sees two CPU devices, as two hosts with two accelerators would.
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 
