@@ -117,3 +117,15 @@ def test_parallel_config_names_the_bad_field(kwargs: dict[str, object], field: s
     with pytest.raises(InvalidConfigError) as err:
         ParallelConfig(**kwargs)  # type: ignore[arg-type]
     assert err.value.field == field
+
+
+def test_the_leaders_own_close_is_no_failure() -> None:
+    leader, follower = _pair({"a": "1"}, {"a": "1"})
+    assert isinstance(leader, LeaderLink) and isinstance(follower, FollowerLink)
+    told: list[LinkError] = []
+    leader.on_failure = told.append
+    leader.close()
+    assert follower.receive() == ("stop",)
+    follower.close()
+    time.sleep(0.3)
+    assert told == [] and leader.failure is None

@@ -80,6 +80,7 @@ class LeaderLink:
                  timeout_s: float = 300.0) -> None:
         self.failure: LinkError | None = None
         self.on_failure: Callable[[LinkError], None] | None = None
+        self._closing = False
         self._lock = threading.Lock()
         self._digests: dict[int, str] = {}  # step -> the leader's digest
         self._theirs: dict[int, dict[int, str]] = {}  # step -> rank -> digest
@@ -114,7 +115,7 @@ class LeaderLink:
                 _, step, digest = _recv(sock)
                 self._compare(step, rank, digest)
         except (LinkError, OSError, EOFError) as err:
-            if self.failure is None:
+            if self.failure is None and not self._closing:  # not the leader's own close
                 self.fail(LinkError(f"host {rank} left the job ({err})"))
 
     def _compare(self, step: int, rank: int, digest: str) -> None:
@@ -162,6 +163,7 @@ class LeaderLink:
 
     def close(self) -> None:
         """Tell the followers to stop, and close every connection."""
+        self._closing = True
         for sock in self._peers.values():
             try:
                 _send(sock, ("stop",))
