@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from esurge.core.kv_cache_spec import AttentionSpec, CacheGroupsConfig
 
-__all__ = ["NULL_PAGE", "KVCache", "init_kv_cache"]
+__all__ = ["NULL_PAGE", "KVCache", "init_kv_cache", "placed_zeros"]
 
 NULL_PAGE = 0
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -68,8 +68,9 @@ def _cache_dtype(dtype: str | jnp.dtype | None, config: CacheGroupsConfig) -> jn
     return jnp.dtype(name)
 
 
-def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding: jax.sharding.Sharding | None
-           ) -> jax.Array:
+def placed_zeros(shape: tuple[int, ...], dtype: jnp.dtype,
+                 sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """Zeros on the default device, or made in place with `sharding`."""
     if sharding is None:
         return jnp.zeros(shape, dtype)
     # Made in place on each device: the whole array never exists on one.
@@ -101,8 +102,8 @@ def init_kv_cache(
     layer_slots = tuple(cache_groups_config.layer_location(i) for i in range(num_layers))
     layer_specs = tuple(groups[g].spec for g, _ in layer_slots)
     return KVCache(
-        keys=tuple(_zeros(shape, cache_dtype, sharding) for _ in range(slots)),
-        values=tuple(_zeros(shape, cache_dtype, sharding) for _ in range(slots)),
+        keys=tuple(placed_zeros(shape, cache_dtype, sharding) for _ in range(slots)),
+        values=tuple(placed_zeros(shape, cache_dtype, sharding) for _ in range(slots)),
         layer_slots=layer_slots,
         layer_specs=layer_specs,
     )

@@ -103,39 +103,48 @@ def _packer(layout: _Layout, module: str) -> Callable[[np.ndarray], np.ndarray]:
     return lambda block: np.asarray(pack_weight(jnp.asarray(block)))
 
 
-def _reader(layout: _Layout, path: tuple[str, ...]) -> Callable[[int], np.ndarray] | None:
-    """shard -> this parameter's shard, for the split parameters (None: replicated)."""
+def _source_block(layout: _Layout, path: tuple[str, ...]) -> tuple[Block, bool] | None:
+    """(shard -> the checkpoint block this parameter's shard is built from, whether
+    that block is output-major [out, in]); None for a replicated parameter."""
     module, leaf = path[-2], path[-1]
-    prefix = ".".join(path[:3])  # model.layers.N, for a layer's fused projections
-    name = ".".join(path[:-1]) + ".weight"
-    packed = leaf == "weight" and layout.final.packed_weights and module not in ("embed_tokens",)
+    base = ".".join(path[:-1])
     if module in ("embed_tokens", "lm_head"):
-        rows: Block = lambda s: layout.vocab_rows(name, s)  # noqa: E731
-        if module == "embed_tokens" or not layout.final.packed_weights:
-            return rows
-        return (lambda s: rows(s).T) if leaf == "plain" else (
-            lambda s: _packer(layout, module)(rows(s).T))
-    if module in ("qkv_proj", "gate_up_proj"):
-        block = _fused_block(layout, prefix, module, "bias" if leaf == "bias" else "weight")
-        return (lambda s: _packer(layout, module)(block(s))) if packed else block
-    if module in ("o_proj", "down_proj"):
-        if leaf == "bias":
-            return None
-        width = layout.config.num_heads * layout.config.head_dim if module == "o_proj" else (
-            layout.config.intermediate_size)
+        return (lambda s: layout.vocab_rows(f"{base}.weight", s)), True
+    if module in ("qkv_proj", "gate_up_proj"):  # a layer's, model.layers.N
+        part = "bias" if leaf == "bias" else "weight"
+        return _fused_block(layout, ".".join(path[:3]), module, part), False
+    if module in ("o_proj", "down_proj") and leaf != "bias":
+        width = (layout.config.num_heads * layout.config.head_dim if module == "o_proj"
+                 else layout.config.intermediate_size)
         local = width // layout.shards
-
-        def columns(s: int) -> np.ndarray:  # [out, in_local]
-            return layout.read(name, (slice(None), slice(s * local, (s + 1) * local)))
-        if not layout.final.packed_weights:
-            return columns
-        return (lambda s: columns(s).T) if leaf == "plain" else (
-            lambda s: _packer(layout, module)(columns(s).T))
-    if module in ("q_proj", "k_proj", "v_proj"):
-        return lambda s: layout.head_rows(f"{name[:-len('.weight')]}.{leaf}", s, module[0])
+        return (lambda s: layout.read(f"{base}.weight",
+                                      (slice(None), slice(s * local, (s + 1) * local)))), True
+    part = "bias" if leaf == "bias" else "weight"
+    if module in ("q_proj", "k_proj", "v_proj"):  # unfused: the block is the shard
+        return (lambda s: layout.head_rows(f"{base}.{part}", s, module[0])), True
     if module in ("gate_proj", "up_proj"):
-        return lambda s: layout.mlp_rows(f"{name[:-len('.weight')]}.{leaf}", s)
+        return (lambda s: layout.mlp_rows(f"{base}.{part}", s)), True
     return None
+
+
+def _reader(layout: _Layout, path: tuple[str, ...], ndim: int) -> Block | None:
+    """shard -> this parameter's shard (None: replicated, read whole).
+
+    A weight in the checkpoint's orientation and a bias are the block itself;
+    a dual layout's plain weight is the block input-major; a packed weight
+    (3-D) is the input-major block packed into panels."""
+    found = _source_block(layout, path)
+    if found is None:
+        return None
+    block, output_major = found
+    leaf = path[-1]
+    if leaf == "bias" or (leaf == "weight" and ndim == 2):
+        return block
+    input_major: Block = (lambda s: block(s).T) if output_major else block
+    if leaf == "plain":
+        return input_major
+    pack = _packer(layout, path[-2])
+    return lambda s: pack(input_major(s))
 
 
 def _shard_of(index: Index, spec: Any, shape: tuple[int, ...], shards: int) -> int:
@@ -161,8 +170,8 @@ def load_onto_mesh(abstract: Params, source: CheckpointSource, config: DecoderCo
     """(serving config, placed model), each device's shards read from the checkpoint.
 
     abstract: the parameter shapes of `config` (the checkpoint's own layout),
-    checked against the file before anything is read. fuse / pack / dual: the serving layout
-    (esurge.models.fusion).
+    checked against the file before anything is read. fuse / pack / dual: the
+    serving layout (esurge.models.fusion).
     """
     _check_shapes(abstract, source)
     final = dataclasses.replace(replicated_kv_config(config, tp_degree(mesh)),
@@ -176,7 +185,7 @@ def load_onto_mesh(abstract: Params, source: CheckpointSource, config: DecoderCo
     def make(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.Array:
         names = tuple(str(getattr(key, "key", key)) for key in path)
         spec = param_spec(names, len(leaf.shape))
-        read = _reader(layout, names)
+        read = _reader(layout, names, len(leaf.shape))
         shape = tuple(leaf.shape)
 
         def shard(index: Index | None) -> np.ndarray:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from esurge.models.forward import ModelState
-from esurge.models.kv_cache import NULL_PAGE
+from esurge.models.kv_cache import NULL_PAGE, placed_zeros
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.config import EagleConfig
@@ -60,12 +60,12 @@ class DraftKVCache:
 
 
 def init_draft_cache(config: EagleConfig, num_pages: int, page_size: int,
-                     dtype: Any) -> DraftKVCache:
-    """A zeroed draft cache over num_pages pages."""
+                     dtype: Any, sharding: jax.sharding.Sharding | None = None) -> DraftKVCache:
+    """A zeroed draft cache over num_pages pages (made in place with sharding, if given)."""
     shape = (num_pages, page_size, config.num_kv_heads, config.head_dim)
     layers = range(config.num_layers)
-    return DraftKVCache(tuple(jnp.zeros(shape, dtype) for _ in layers),
-                        tuple(jnp.zeros(shape, dtype) for _ in layers))
+    return DraftKVCache(tuple(placed_zeros(shape, dtype, sharding) for _ in layers),
+                        tuple(placed_zeros(shape, dtype, sharding) for _ in layers))
 
 
 @jax.tree_util.register_dataclass

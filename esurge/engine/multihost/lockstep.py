@@ -34,8 +34,7 @@ log = logging.getLogger(__name__)
 
 def step_digest(out: ModelRunnerOutput) -> str:
     """A short digest of what a step sampled (ids, tokens, drafts)."""
-    drafts = getattr(out, "spec_token_ids", None)
-    text = repr((out.req_ids, out.sampled_token_ids, drafts))
+    text = repr((out.req_ids, out.sampled_token_ids, out.spec_token_ids))
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 

@@ -101,11 +101,10 @@ class SpecDecoder:
                                if config.layout is EagleLayout.EAGLE3 else ())
         self.draft_vocab = config.draft_vocab_size
         self.group, self.window = _draft_group(groups)
+        sharding = (None if model.mesh is None
+                    else kv_cache_sharding(model.mesh, config.num_kv_heads))
         self.cache: DraftKVCache = init_draft_cache(config, num_pages, page_size,
-                                                    jnp.dtype(model.dtype))
-        if model.mesh is not None:
-            self.cache = jax.device_put(jax.tree.map(np.asarray, self.cache),
-                                        kv_cache_sharding(model.mesh, config.num_kv_heads))
+                                                    jnp.dtype(model.dtype), sharding)
         self.prob_buffer = replicated(jnp.zeros((max_rows + 1, self.num_spec, model.vocab_size),
                                                 jnp.float32), model.mesh)
         self._sink = max_rows
