@@ -17,6 +17,7 @@ import numpy as np
 from safetensors import safe_open
 
 from esurge.models.gguf_file import GGUFCheckpoint
+from esurge.models.weight_codes import WeightCodes
 
 __all__ = [
     "CheckpointSource",
@@ -64,6 +65,11 @@ class CheckpointSource(Protocol):
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """The shape of the parameter `name`; MissingTensorError if absent."""
+        ...
+
+    def read_codes(self, name: str) -> WeightCodes | None:
+        """The linear weight `name` as affine codes, where the checkpoint stores
+        it in such a block format (esurge.models.weight_codes); else None."""
         ...
 
     def tokenizer(self) -> Any | None:
@@ -186,6 +192,9 @@ class HFDirectorySource:
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def read_codes(self, name: str) -> WeightCodes | None:
+        return None  # safetensors hold plain floats
+
     def tokenizer(self) -> Any | None:
         return hf_tokenizer_of(self.path)
 
@@ -218,6 +227,7 @@ class GGUFSource:
         if keep_open:
             _KEPT_OPEN[key] = self.gguf
         self._read: Any = None
+        self._codes: Any = None
         self._last: tuple[str, np.ndarray] | None = None
 
     def hf_config(self) -> Any:
@@ -258,12 +268,23 @@ class GGUFSource:
             self._last = (name, self.read(name))
         return self._last[1]
 
+    def read_codes(self, name: str) -> WeightCodes | None:
+        if self._codes is None:
+            config = self.hf_config()
+            text = getattr(config, "text_config", None) or config
+            self._codes = self.gguf.code_reader(int(text.num_hidden_layers))
+        try:
+            return self._codes(name)  # type: ignore[no-any-return]
+        except KeyError:
+            raise MissingTensorError(self.path, name) from None
+
     def tokenizer(self) -> Any | None:
         tokenizer = self.gguf.tokenizer()
         return None if tokenizer is None else tokenizer.hf_tokenizer
 
     def close(self) -> None:
         self._read = None
+        self._codes = None
         self._last = None
 
 

@@ -18,10 +18,19 @@ from esurge.core.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from esurge.models.batch import ForwardBatch
+from esurge.models.coded_linear import CodedLinear
 from esurge.models.decoder_config import AttentionKind, DecoderConfig, LayerAttention, RopeConfig
 from esurge.models.kv_cache import KVCache
-from esurge.models.layers import DecoderLayer, Embedding, embedding_scale, make_norm, serving_linear
+from esurge.models.layers import (
+    AnyLinear,
+    DecoderLayer,
+    Embedding,
+    embedding_scale,
+    make_norm,
+    serving_linear,
+)
 from esurge.models.local_shards import Split
+from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.paged_attention import AttentionMetadata
 from esurge.models.rope import rope_cos_sin
 
@@ -76,10 +85,20 @@ class CausalLM(nnx.Module):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.model = DecoderModel(config, dtype=dtype)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else serving_linear(config, config.hidden_size,
-                                            config.padded_vocab_size, bias=False, dtype=dtype,
-                                            split=Split.COLUMN))
+        # A coded head gets its panels even when tied to the embedding: the
+        # kernel streams them at decode, and large buckets (dual layout)
+        # multiply by the float32 embedding instead.
+        head_bits = config.code_bits("lm_head")
+        if head_bits is not None:
+            self.lm_head: AnyLinear | None = CodedLinear(
+                config.hidden_size, config.padded_vocab_size, bits=head_bits, bias=False,
+                dtype=dtype, dual=config.dual_layout and not config.tie_word_embeddings)
+        elif config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = serving_linear(config, config.hidden_size, config.padded_vocab_size,
+                                          bias=False, dtype=dtype, split=Split.COLUMN,
+                                          role="lm_head")
 
     def __call__(
         self,
@@ -123,10 +142,13 @@ class CausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [L, H] -> [L, vocab] float32
         """LM head (tied to the embedding when configured) and final soft-capping."""
-        if self.lm_head is None:
+        config, head = self.config, self.lm_head
+        large_tied = (config.tie_word_embeddings and config.dual_layout
+                      and hidden.shape[0] > DUAL_KERNEL_MAX_ROWS)
+        if head is None or large_tied:
             logits = jnp.einsum("lh,vh->lv", hidden, self.model.embed_tokens.weight[...])
         else:
-            logits = self.lm_head(hidden)
+            logits = head(hidden)
         if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards
             logits = logits[:, :self.config.vocab_size]
         cap = self.config.final_softcap

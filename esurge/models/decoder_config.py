@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = [
-    "Activation", "AttentionKind", "DecoderConfig", "LayerAttention", "RopeConfig", "RopeType",
+    "CODED_ROLES", "Activation", "AttentionKind", "DecoderConfig", "LayerAttention", "RopeConfig",
+    "RopeType",
 ]
 
 
@@ -103,6 +104,10 @@ class LayerAttention:
             _positive_int("window", self.window)
 
 
+# The projections a layout may keep as codes: each layer's fused ones and the LM head.
+CODED_ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
 @dataclass(frozen=True, slots=True)
 class DecoderConfig:
     """Everything the shared decoder needs to know about one checkpoint.
@@ -125,6 +130,9 @@ class DecoderConfig:
         tensor_parallel): fused projections hold each shard's columns
         together ([q_i | k_i | v_i]) and the vocabulary rows are padded to a
         multiple of it. 1 is the checkpoint's own layout.
+    coded_weights: on top of packing, the projections (by role, see
+        CODED_ROLES) whose panels hold a GGUF's integer codes of that many
+        bits instead of float32 (esurge.models.coded_linear); one device only.
     """
 
     vocab_size: int
@@ -151,6 +159,7 @@ class DecoderConfig:
     packed_weights: bool = False
     dual_layout: bool = False
     tensor_parallel: int = 1
+    coded_weights: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
@@ -180,12 +189,36 @@ class DecoderConfig:
             raise ValueError("packed_weights=True needs fused_projections=True")
         if self.dual_layout and not self.packed_weights:
             raise ValueError("dual_layout=True needs packed_weights=True")
+        self._check_coded_weights()
+
+    def _check_coded_weights(self) -> None:
+        object.__setattr__(self, "coded_weights", tuple(map(tuple, self.coded_weights)))
+        if not self.coded_weights:
+            return
+        if not self.packed_weights or self.tensor_parallel != 1:
+            raise ValueError("coded_weights need packed_weights=True and tensor_parallel=1")
+        for role, bits in self.coded_weights:
+            if role not in CODED_ROLES or bits not in (4, 8):
+                raise ValueError(f"coded_weights entry {(role, bits)!r}: the role must be one "
+                                 f"of {CODED_ROLES} and the bits 4 or 8")
+        if not self.fused_gate_activation and self.code_bits("gate_up_proj") is not None:
+            raise ValueError("coded gate_up_proj needs the fused SiLU gate (no MLP bias)")
+
+    def code_bits(self, role: str) -> int | None:
+        """The code width of the projection `role` (CODED_ROLES), None for float32 panels."""
+        return dict(self.coded_weights).get(role)
+
+    @property
+    def gated_silu(self) -> bool:
+        """A SiLU-gated MLP without biases, whose activation a packed gate/up
+        projection can apply itself."""
+        return self.activation is Activation.SILU and not self.mlp_bias
 
     @property
     def fused_gate_activation(self) -> bool:
         """The packed gate/up projection applies SiLU and the product itself
         (esurge.models.packed_linear.PackedGateUp): packed, SiLU, no MLP bias."""
-        return self.packed_weights and self.activation is Activation.SILU and not self.mlp_bias
+        return self.packed_weights and self.gated_silu
 
     @property
     def padded_vocab_size(self) -> int:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from esurge.models.coded_layout import CodedPanels
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
@@ -96,25 +97,56 @@ def _packed(linear: dict[str, Any], input_major: bool, dual: bool,
     return packed
 
 
-def pack_layer(config: DecoderConfig, layer: dict[str, Any]) -> dict[str, Any]:
-    """One fused layer's projections packed (config: the packed serving config).
+_INPUT_MAJOR = frozenset({"qkv_proj", "gate_up_proj"})  # fused, so already [in, out]
+
+
+def _coded(linear: dict[str, Any], panels: dict[str, Any], input_major: bool,
+           dual: bool) -> dict[str, Any]:
+    """A linear whose panels hold codes (esurge.models.coded_linear); dual keeps
+    its float32 weight input-major beside them."""
+    coded: dict[str, Any] = {"weight": {k: jnp.asarray(v) for k, v in panels.items()}}
+    if dual:
+        coded["plain"] = linear["weight"] if input_major else linear["weight"].T
+    if linear.get("bias") is not None:
+        coded["bias"] = linear["bias"]
+    return coded
+
+
+def _float_gate_up(config: DecoderConfig, linear: dict[str, Any]) -> dict[str, Any]:
+    """The fused gate/up in float32 panels: SiLU panels where the kernel applies
+    the activation, plain column panels otherwise (per shard)."""
+    dual, shards = config.dual_layout, config.tensor_parallel
+    if not config.fused_gate_activation:
+        return _packed(linear, input_major=True, dual=dual, shards=shards)
+    weight = linear["weight"]
+    local = config.intermediate_size // shards
+    panels = pack_per_shard(lambda block: pack_gate_up(block, local), weight, shards)
+    return {"weight": panels, **({"plain": weight} if dual else {})}
+
+
+def pack_layer(config: DecoderConfig, layer: dict[str, Any],
+               coded: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One fused layer's projections packed (config: the packed serving config):
+    the roles of config.coded_weights from their coded panels (`coded`, role
+    -> panels), the others in float32 panels.
 
     Column-parallel projections (q/k/v, gate/up) are packed per shard; the
     row-parallel ones (o, down) whole, their panels then split by input rows.
     """
     attn, mlp = dict(layer["self_attn"]), dict(layer["mlp"])
     dual, shards = config.dual_layout, config.tensor_parallel
-    attn["qkv_proj"] = _packed(attn["qkv_proj"], input_major=True, dual=dual, shards=shards)
-    attn["o_proj"] = _packed(attn["o_proj"], input_major=False, dual=dual)
-    if config.fused_gate_activation:
-        weight = mlp["gate_up_proj"]["weight"]
-        local = config.intermediate_size // shards
-        panels = pack_per_shard(lambda block: pack_gate_up(block, local), weight, shards)
-        mlp["gate_up_proj"] = {"weight": panels, **({"plain": weight} if dual else {})}
-    else:
-        mlp["gate_up_proj"] = _packed(mlp["gate_up_proj"], input_major=True, dual=dual,
-                                      shards=shards)
-    mlp["down_proj"] = _packed(mlp["down_proj"], input_major=False, dual=dual)
+    float_packs: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+        "qkv_proj": lambda lin: _packed(lin, input_major=True, dual=dual, shards=shards),
+        "o_proj": lambda lin: _packed(lin, input_major=False, dual=dual),
+        "gate_up_proj": lambda lin: _float_gate_up(config, lin),
+        "down_proj": lambda lin: _packed(lin, input_major=False, dual=dual),
+    }
+    for role, module in (("qkv_proj", attn), ("o_proj", attn), ("gate_up_proj", mlp),
+                         ("down_proj", mlp)):
+        if config.code_bits(role) is not None and coded is not None:
+            module[role] = _coded(module[role], coded[role], role in _INPUT_MAJOR, dual)
+        else:
+            module[role] = float_packs[role](module[role])
     return {**layer, "self_attn": attn, "mlp": mlp}
 
 
@@ -132,16 +164,27 @@ def packed_config(config: DecoderConfig, dual: bool) -> DecoderConfig:
 
 
 def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
-                     dual: bool = False) -> tuple[DecoderConfig, ModelState]:
+                     dual: bool = False, coded: CodedPanels | None = None
+                     ) -> tuple[DecoderConfig, ModelState]:
     """The fused model with every projection and the untied LM head packed;
-    dual keeps each input-major weight beside its panels (DecoderConfig.dual_layout)."""
+    dual keeps each input-major weight beside its panels (DecoderConfig.dual_layout);
+    coded: the roles to serve from a GGUF's codes (esurge.models.coded_layout)."""
     if not config.fused_projections:
         config, state = fuse_projections(config, state, dtype)
     if config.packed_weights:
         return config, state
     packed = packed_config(config, dual)
-    params = _map_layers(state.params, lambda layer: pack_layer(packed, layer))
-    if params.get("lm_head") is not None:
+    if coded is not None and coded.bits:
+        packed = dataclasses.replace(packed, coded_weights=coded.coded_weights)
+    model = dict(state.params["model"])
+    model["layers"] = {i: pack_layer(packed, layer, coded.layers[int(i)] if coded else None)
+                       for i, layer in model["layers"].items()}
+    params = {**state.params, "model": model}
+    if coded is not None and coded.lm_head is not None:
+        untied = params.get("lm_head") or {"weight": params["model"]["embed_tokens"]["weight"]}
+        params["lm_head"] = _coded(untied, coded.lm_head, input_major=False,
+                                   dual=packed.dual_layout and not packed.tie_word_embeddings)
+    elif params.get("lm_head") is not None:
         params["lm_head"] = pack_lm_head(packed, params["lm_head"])
     return packed, state_for(packed, params, dtype)
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from esurge.models.weight_codes import WeightCodes, weight_codes
+
 __all__ = [
     "GGUF_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
@@ -247,9 +249,9 @@ class GGUFCheckpoint:
 
     # ---- tensors -------------------------------------------------------------
 
-    def tensor_reader(self, num_layers: int) -> Callable[[str], np.ndarray]:
-        """A function from HF parameter name to its float32 array ([out, in] for a
-        linear weight), dequantized and with llama.cpp's rewrites undone."""
+    def _lookup(self, num_layers: int) -> tuple[Callable[[str], Any], Any]:
+        """(HF parameter name -> its gguf tensor, KeyError if absent; the
+        transformers processor that undoes llama.cpp's rewrites)."""
         import gguf
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -258,14 +260,53 @@ class GGUFCheckpoint:
         processor = TENSOR_PROCESSORS.get(self.gguf_architecture, TensorProcessor)(
             config=self._config_dict)
 
-        def read(hf_name: str) -> np.ndarray:
+        def tensor_of(hf_name: str) -> Any:
             base, _, suffix = hf_name.rpartition(".")
             gguf_base = names.get_name(base)
             tensor = self._tensors.get(f"{gguf_base}.{suffix}") if gguf_base else None
             if tensor is None:
                 raise KeyError(hf_name)
+            return tensor
+
+        return tensor_of, processor
+
+    def tensor_reader(self, num_layers: int) -> Callable[[str], np.ndarray]:
+        """A function from HF parameter name to its float32 array ([out, in] for a
+        linear weight), dequantized and with llama.cpp's rewrites undone."""
+        import gguf
+
+        tensor_of, processor = self._lookup(num_layers)
+
+        def read(hf_name: str) -> np.ndarray:
+            tensor = tensor_of(hf_name)
             weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             processed = processor.process(weights=weights, name=tensor.name)
             return np.asarray(processed.weights, dtype=np.float32)
+
+        return read
+
+    def code_reader(self, num_layers: int) -> Callable[[str], WeightCodes | None]:
+        """A function from HF parameter name of a linear weight to its codes
+        (esurge.models.weight_codes), rows in the HF order; None where the
+        tensor's type has no affine form or llama.cpp's rewrite of it is more
+        than a reordering of rows. KeyError if absent."""
+        tensor_of, processor = self._lookup(num_layers)
+
+        def read(hf_name: str) -> WeightCodes | None:
+            tensor = tensor_of(hf_name)
+            if len(tensor.shape) != 2:
+                return None
+            inputs, out = (int(n) for n in tensor.shape)
+            codes = weight_codes(tensor.data, tensor.tensor_type.name, (out, inputs))
+            if codes is None:
+                return None
+            # The rewrite applied to the row numbers shows where each row goes.
+            index = np.arange(out, dtype=np.float32).reshape(out, 1)
+            moved = np.asarray(processor.process(weights=index, name=tensor.name).weights)
+            rows = moved.reshape(-1).astype(np.int64)
+            if moved.shape != index.shape or not np.array_equal(np.sort(rows), np.arange(out)) \
+                    or not np.array_equal(rows, moved.reshape(-1)):
+                return None
+            return codes.take_rows(rows)
 
         return read

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from esurge.models.coded_linear import CodedGateUp, CodedLinear
 from esurge.models.decoder_config import Activation, AttentionKind, DecoderConfig, LayerAttention
 from esurge.models.local_shards import Split
 from esurge.models.packed_linear import PackedGateUp, PackedLinear
@@ -63,14 +64,19 @@ class InputMajorLinear(nnx.Module):
         return y
 
 
-AnyLinear = Linear | InputMajorLinear | PackedLinear
+AnyLinear = Linear | InputMajorLinear | PackedLinear | CodedLinear
 
 
 def serving_linear(config: DecoderConfig, in_features: int, out_features: int, *, bias: bool,
-                   dtype: jnp.dtype, split: Split, fused: bool = False) -> AnyLinear:
-    """The projection in the config's layout: packed, input-major (a fused
-    projection) or the checkpoint's own [out, in]. split: how tensor
-    parallelism cuts it (packed panels are laid out for it)."""
+                   dtype: jnp.dtype, split: Split, role: str, fused: bool = False) -> AnyLinear:
+    """The projection in the config's layout: coded or float32 panels,
+    input-major (a fused projection) or the checkpoint's own [out, in].
+    split: how tensor parallelism cuts it (packed panels are laid out for it);
+    role: its name among CODED_ROLES."""
+    bits = config.code_bits(role)
+    if bits is not None:
+        return CodedLinear(in_features, out_features, bits=bits, bias=bias, dtype=dtype,
+                           dual=config.dual_layout)
     if config.packed_weights:
         return PackedLinear(in_features, out_features, bias=bias, dtype=dtype,
                             dual=config.dual_layout, split=split,
@@ -133,24 +139,28 @@ class MLP(nnx.Module):
         if not config.fused_projections:
             self.gate_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
             self.up_proj: Linear | None = Linear(h, i, bias=bias, dtype=dtype)
-            self.gate_up_proj: AnyLinear | PackedGateUp | None = None
+            self.gate_up_proj: AnyLinear | PackedGateUp | CodedGateUp | None = None
+        elif (bits := config.code_bits("gate_up_proj")) is not None:
+            self.gate_up_proj = CodedGateUp(h, i, bits=bits, dtype=dtype, dual=config.dual_layout)
+            self.gate_proj = self.up_proj = None
         elif config.fused_gate_activation:
             self.gate_up_proj = PackedGateUp(h, i, dtype=dtype, dual=config.dual_layout,
                                              shards=config.tensor_parallel)
             self.gate_proj = self.up_proj = None
         else:
             self.gate_up_proj = serving_linear(config, h, 2 * i, bias=bias, dtype=dtype,
-                                               split=Split.COLUMN,
+                                               split=Split.COLUMN, role="gate_up_proj",
                                                fused=True)
             self.gate_proj = self.up_proj = None
-        self.down_proj = serving_linear(config, i, h, bias=bias, dtype=dtype, split=Split.ROW)
+        self.down_proj = serving_linear(config, i, h, bias=bias, dtype=dtype, split=Split.ROW,
+                                        role="down_proj")
         self.activation = config.activation
         self.intermediate_size = i
         self.shards = config.tensor_parallel
 
     def __call__(self, x: jax.Array,  # [T, hidden]
                  num_rows: jax.Array | None = None) -> jax.Array:  # [] real rows of x
-        if isinstance(self.gate_up_proj, PackedGateUp):  # activation in the matmul
+        if isinstance(self.gate_up_proj, PackedGateUp | CodedGateUp):  # activation in the matmul
             return self.down_proj(self.gate_up_proj(x, num_rows), num_rows)
         if self.gate_up_proj is not None:
             # Per shard: [gate_i | up_i] (esurge.models.tensor_parallel).
@@ -179,11 +189,10 @@ class Attention(nnx.Module):
             self.qkv_proj: AnyLinear | None = None
         else:
             self.qkv_proj = serving_linear(config, h, q_out + 2 * kv_out, bias=bias, dtype=dtype,
-                                           split=Split.COLUMN,
-                                           fused=True)
+                                           split=Split.COLUMN, role="qkv_proj", fused=True)
             self.q_proj = self.k_proj = self.v_proj = None
         self.o_proj = serving_linear(config, config.num_heads * d, h, bias=config.o_bias,
-                                     dtype=dtype, split=Split.ROW)
+                                     dtype=dtype, split=Split.ROW, role="o_proj")
         self.q_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.k_norm = make_norm(d, config, dtype) if config.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
 from esurge.errors import InvalidConfigError
 from esurge.models.checkpoint import CheckpointSource, open_checkpoint
+from esurge.models.coded_layout import CodedPanels, read_coded_panels
 from esurge.models.cpu_kernels import cpu_has_avx512, kernels_serve
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
@@ -92,6 +93,18 @@ def _read_params(abstract: Params, source: CheckpointSource, dtype: jnp.dtype) -
         source.close()
 
 
+def _coded_panels(source: CheckpointSource, config: DecoderConfig) -> CodedPanels:
+    """The projections served from the checkpoint's own integer codes (a GGUF's
+    4- and 8-bit blocks; esurge.models.coded_layout), logged."""
+    start = time.perf_counter()
+    coded = read_coded_panels(source, config)
+    if coded.bits:
+        log.info("serving %s from the checkpoint's codes (%.1fs to pack)",
+                 ", ".join(f"{role} ({bits}-bit)" for role, bits in coded.coded_weights),
+                 time.perf_counter() - start)
+    return coded
+
+
 def resolve_dtype(requested: str, source: CheckpointSource, hf_config: Any) -> tuple[str, str]:
     """The serving dtype for `requested` ("auto", "float32" or "bfloat16") and why.
 
@@ -158,12 +171,13 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
         finally:
             source.close()
     else:
+        coded = _coded_panels(source, config) if packed else None
         params = _read_params(nnx.to_pure_dict(abstract_params), source, jdtype)
         state = ModelState(graphdef=graphdef, params=params)
         if fuse:
             config, state = fuse_projections(config, state, jdtype)
         if packed:
-            config, state = pack_projections(config, state, jdtype, dual=dual)
+            config, state = pack_projections(config, state, jdtype, dual=dual, coded=coded)
     hf_tokenizer = source.tokenizer()
     jax.block_until_ready(state.params)
     log.info("loaded %s (%s, %s) in %.1fs; peak host memory %.0f MiB", source.path,

@@ -5,12 +5,14 @@ from the paged cache (the pure-JAX path must gather them into a new buffer
 first, which triples the memory traffic of a decode step on CPU).
 `packed_matmul.cc` multiplies few-row activations by weights packed once into
 contiguous column panels (XLA's matmul walks an [in, out] weight with strides
-the prefetcher does not follow and repacks it on every call). Both share
-`parallel_for.h`. The shared library is compiled once per (sources, compiler,
-CPU) into a cache directory and its handlers registered as XLA FFI targets;
-`kernel_available()` is False, with one warning in the log, when that is
-impossible (no compiler, a failed build), and callers then use pure-JAX
-paths, which compute the same thing.
+the prefetcher does not follow and repacks it on every call).
+`coded_matmul.cc` does the same for weights kept as a GGUF's integer codes,
+expanded to float32 in cache (through the same register tiles,
+`panel_tiles.h`). All share `parallel_for.h`. The shared library is compiled
+once per (sources, compiler, CPU) into a cache directory and its handlers
+registered as XLA FFI targets; `kernel_available()` is False, with one
+warning in the log, when that is impossible (no compiler, a failed build),
+and callers then use pure-JAX paths, which compute the same thing.
 
 Environment:
     ESURGE_CPU_KERNELS=0      never build or use the kernels
@@ -37,18 +39,28 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "MATMUL_TARGET", "PANEL", "TARGET", "cpu_has_avx512", "kernel_available", "kernels_serve",
-    "packed_matmul_kernel", "paged_attention_kernel",
+    "CODED_TARGET",
+    "MATMUL_TARGET",
+    "PANEL",
+    "TARGET",
+    "coded_matmul_kernel",
+    "cpu_has_avx512",
+    "kernel_available",
+    "kernels_serve",
+    "packed_matmul_kernel",
+    "paged_attention_kernel",
 ]
 
 log = logging.getLogger(__name__)
 
 TARGET = "esurge_paged_attention"
 MATMUL_TARGET = "esurge_packed_matmul"
+CODED_TARGET = "esurge_coded_matmul"
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc")
-_HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "parallel_for.h")
+_SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc")
+_HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "panel_tiles.h",
+            _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC")
 _lock = threading.Lock()
@@ -115,6 +127,8 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.EsurgePagedAttention),
                                     platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.EsurgePackedMatmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(CODED_TARGET, jax.ffi.pycapsule(lib.EsurgeCodedMatmul),
                                     platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
@@ -192,3 +206,20 @@ def packed_matmul_kernel(
     out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows, silu_mul=silu_mul)
+
+
+def coded_matmul_kernel(
+    x: jax.Array,  # [M, K] float32
+    codes: jax.Array,  # [P, K, 16] (bits 4) or [P, K, 32] (bits 8) uint8
+    scale: jax.Array,  # [P, K / 32, PANEL] float32
+    offset: jax.Array,  # [P, K / 32, PANEL] float32
+    out_features: int,
+    bits: int,
+    num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
+    silu_mul: bool = False,
+) -> jax.Array:  # [M, N] float32
+    """x @ W with W as integer codes in column panels (see coded_matmul.cc)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    return jax.ffi.ffi_call(CODED_TARGET, out)(x, codes, scale, offset, rows,
+                                               silu_mul=silu_mul, bits=np.int64(bits))

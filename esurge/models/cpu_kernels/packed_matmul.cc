@@ -32,7 +32,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "fast_exp.h"
+#include "panel_tiles.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -40,136 +40,19 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kPanel = 32;  // output columns per panel; keep in step with packed_linear.py
-constexpr int kLanes = 16;  // half a panel: the gate (or up) columns of a SiLU panel
-
-// The machine's own vector: GCC lowers a generic vector wider than the
-// hardware's (16 floats on AVX2) through the stack, scalar broadcast
-// included (measured on a Zen 3 without AVX-512: ~1 GFLOP/s, 4x slower than
-// XLA at one row and 25x at 128). So the arithmetic runs on native-width
-// vectors, kNative floats each, kPanelVecs of them per panel row.
-#if defined(__AVX512F__)
-constexpr int kNative = 16;
-#else
-constexpr int kNative = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kNative * sizeof(float))));
-constexpr int kPanelVecs = kPanel / kNative;
-
-// Rows per register tile: MR rows x kPanelVecs accumulators, plus a panel
-// row's kPanelVecs vectors and a broadcast, must fit the register file (32
-// zmm with AVX-512, 16 ymm otherwise).
-#if defined(__AVX512F__)
-constexpr int kRowTile = 8;
-#else
-constexpr int kRowTile = 2;
-#endif
-
-// How far ahead (in k) the first row tile of a panel asks for panel rows.
-constexpr int kPrefetchRows = 16;
-constexpr int64_t kRowChunk = 256;
-
-struct Problem {
-  const float* x;  // [M, K]
-  const float* w;  // [P, K, kPanel]
-  float* y;        // [M, N]
-  int64_t m, k, n;  // m: the real rows (num_rows), not the padded M
-  bool silu_mul;
-};
-
-// silu(gate) * up lane by lane: gate * sigmoid(gate), the sigmoid from
-// e = exp(-|gate|) so the exponential never overflows.
-inline void SiluMul(const float* gate, const float* up, float* out) {
-  for (int j = 0; j < kLanes; ++j) {
-    const float g = gate[j];
-    const float e = esurge_kernels::ExpNonPositive(-std::fabs(g));
-    const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-    out[j] = g * sigmoid * up[j];
-  }
-}
-
-// y[rows, panel columns] for MR rows starting at row r0 of panel p.
-template <int MR>
-void Tile(const Problem& pb, int64_t r0, int64_t p, bool prefetch) {
-  const float* panel = pb.w + p * pb.k * kPanel;
-  const float* x = pb.x + r0 * pb.k;
-  Vec acc[MR][kPanelVecs];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec{};
-  for (int64_t k = 0; k < pb.k; ++k) {
-    Vec b[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v)
-      std::memcpy(&b[v], panel + k * kPanel + v * kNative, sizeof(Vec));
-    if (prefetch) {
-      __builtin_prefetch(panel + (k + kPrefetchRows) * kPanel);
-      __builtin_prefetch(panel + (k + kPrefetchRows) * kPanel + kLanes);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const Vec a = Vec{} + x[r * pb.k + k];  // a native broadcast
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += a * b[v];
-    }
-  }
-  // Each row's panel of results as plain floats: [0, kLanes) is the first
-  // half (gate, with silu_mul), [kLanes, kPanel) the second (up).
-  float rows[MR][kPanel];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kPanelVecs; ++v)
-      std::memcpy(rows[r] + v * kNative, &acc[r][v], sizeof(Vec));
-  if (pb.silu_mul) {
-    const int64_t col = p * kLanes;
-    const int64_t width = std::min<int64_t>(kLanes, pb.n - col);
-    for (int r = 0; r < MR; ++r) {
-      float act[kLanes];
-      SiluMul(rows[r], rows[r] + kLanes, act);
-      float* out = pb.y + (r0 + r) * pb.n + col;
-      // A constant size compiles to one vector store; a variable one to a
-      // library call per row (measured: 1.5% of a prefill step).
-      if (width == kLanes) {
-        std::memcpy(out, act, sizeof(act));
-      } else {
-        std::memcpy(out, act, sizeof(float) * width);
-      }
-    }
-    return;
-  }
-  const int64_t col = p * kPanel;
-  const int64_t width = std::min<int64_t>(kPanel, pb.n - col);
-  for (int r = 0; r < MR; ++r) {
-    float* out = pb.y + (r0 + r) * pb.n + col;
-    if (width == kPanel) {
-      std::memcpy(out, rows[r], sizeof(rows[r]));
-    } else {  // the last panel of an N that is not a multiple of kPanel
-      std::memcpy(out, rows[r], sizeof(float) * width);
-    }
-  }
-}
-
-// The leftover rows (M mod kRowTile) as one narrower tile.
-void TailTile(const Problem& pb, int64_t r0, int64_t p, int rows, bool prefetch) {
-  switch (rows) {
-    case 1: return Tile<1>(pb, r0, p, prefetch);
-    case 2: return Tile<2>(pb, r0, p, prefetch);
-#if defined(__AVX512F__)
-    case 3: return Tile<3>(pb, r0, p, prefetch);
-    case 4: return Tile<4>(pb, r0, p, prefetch);
-    case 5: return Tile<5>(pb, r0, p, prefetch);
-    case 6: return Tile<6>(pb, r0, p, prefetch);
-    case 7: return Tile<7>(pb, r0, p, prefetch);
-#endif
-    default: return;
-  }
-}
+using namespace esurge_kernels::panel;  // NOLINT: the shared tiles
 
 // Work items [begin, end) of (row chunk, panel), panels fastest: the first
 // row tile streams a panel in (prefetching ahead), the others find it in cache,
 // and the chunk's rows of x stay cached across its panels.
-void Items(const Problem& pb, int64_t num_panels, int64_t begin, int64_t end) {
+void Items(const Problem& pb, const float* w, int64_t num_panels, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; ++item) {
     const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
     const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
     int64_t r = r0;
-    for (; r + kRowTile <= r1; r += kRowTile) Tile<kRowTile>(pb, r, p, r == r0);
-    if (r < r1) TailTile(pb, r, p, static_cast<int>(r1 - r), r == r0);
+    const float* panel = w + p * pb.k * kPanel;
+    for (; r + kRowTile <= r1; r += kRowTile) Tile<kRowTile>(pb, PanelRows{panel, r == r0}, r, p);
+    if (r < r1) TailTile(pb, PanelRows{panel, r == r0}, r, p, static_cast<int>(r1 - r));
   }
 }
 
@@ -188,14 +71,15 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("packed matmul: shapes do not match");
   }
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), rows, xd[1], yd[1],
-                   silu_mul};
+  const Problem pb{x.typed_data(), y->typed_data(), rows, xd[1], yd[1], silu_mul};
+  const float* panels = w.typed_data();
   std::memset(pb.y + rows * pb.n, 0, sizeof(float) * (xd[0] - rows) * pb.n);
   const int64_t num_panels = wd[0];
   const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
   // Items cost about the same: a few chunks per thread balance a busy pool.
-  esurge_kernels::ParallelFor(pool, items, 4, [&pb, num_panels](int64_t begin, int64_t end) {
-    Items(pb, num_panels, begin, end);
+  esurge_kernels::ParallelFor(pool, items, 4, [&pb, panels, num_panels](int64_t begin,
+                                                                        int64_t end) {
+    Items(pb, panels, num_panels, begin, end);
   });
   return ffi::Error::Success();
 }

@@ -1,0 +1,211 @@
+// y = x W for XLA:CPU with W kept as integer codes in column panels, a scale
+// and an offset per 32 inputs of each column: W[k, c] = scale * code + offset.
+// Called from JAX through the XLA FFI (esurge/models/coded_linear.py packs and
+// dispatches).
+//
+// Why: at a decode step's few rows the matmuls are bound by how fast the
+// weights stream in (packed_matmul.cc). A GGUF's 4-bit weights are 0.625 bytes
+// each against float32's 4, so streaming the codes and expanding them in cache
+// moves a sixth of the bytes. The expansion is exact: a scale is a float16
+// value times at most a 6-bit integer and a code at most 8 bits, so
+// scale * code is exact in float32 and the one rounding is the + offset, the
+// same arithmetic and order as the gguf package's numpy dequantizers. The
+// expanded panel then goes through packed_matmul's own register tiles, so the
+// result is bit for bit the float32 panel kernel's on the dequantized weight.
+//
+// Contract: x [M, K] float32 with K a multiple of 32; codes [P, K, 16] uint8
+// (bits = 4: byte j of a row holds column j in its low nibble and column
+// j + 16 in its high one, unsigned) or [P, K, 32] (bits = 8: one signed byte
+// per column); scale and offset [P, K / 32, 32] float32 (padding columns have
+// scale and offset 0); num_rows [] int32 (rows past it are zeros); y [M, N].
+// silu_mul as in packed_matmul.cc (each panel: 16 gate then 16 up columns).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "panel_tiles.h"
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using namespace esurge_kernels::panel;  // NOLINT: the shared tiles
+
+constexpr int64_t kBlock = 32;  // inputs per scale/offset
+
+struct Codes {
+  const uint8_t* codes;  // [P, K, 16 or 32]
+  const float* scale;    // [P, K / kBlock, kPanel]
+  const float* offset;   // [P, K / kBlock, kPanel]
+  int64_t k;
+  int bits;
+};
+
+// kNative codes from q as floats: unsigned nibbles (the low or the high
+// half of each byte) or signed bytes. GCC scalarizes a generic byte-vector
+// conversion (one cvtsi2ss per lane, slower than streaming float32), so the
+// widening is spelled in intrinsics where the ISA has them.
+template <int kBits, bool kHigh>
+inline Vec CodesAsFloats(const uint8_t* q) {
+#if defined(__AVX512F__)
+  __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  if constexpr (kBits == 4) {
+    if constexpr (kHigh) bytes = _mm_srli_epi16(bytes, 4);
+    bytes = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+  } else {
+    return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+  }
+#elif defined(__AVX2__)
+  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  if constexpr (kBits == 4) {
+    if constexpr (kHigh) bytes = _mm_srli_epi16(bytes, 4);
+    bytes = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  } else {
+    return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+  }
+#else
+  Vec out;
+  for (int j = 0; j < kNative; ++j) {
+    if constexpr (kBits == 4) {
+      out[j] = static_cast<float>(kHigh ? q[j] >> 4 : q[j] & 15);
+    } else {
+      out[j] = static_cast<float>(static_cast<int8_t>(q[j]));
+    }
+  }
+  return out;
+#endif
+}
+
+// Panel p's rows expanded from codes: W[k, c] = scale * code + offset.
+template <int kBits>
+struct CodedRows {
+  static constexpr int64_t kRowBytes = kBits == 4 ? kLanes : kPanel;
+  const uint8_t* codes;  // [K, kRowBytes] of panel p
+  const float* scale;    // [K / kBlock, kPanel] of panel p
+  const float* offset;
+
+  CodedRows(const Codes& c, int64_t p)
+      : codes(c.codes + p * c.k * kRowBytes),
+        scale(c.scale + p * (c.k / kBlock) * kPanel),
+        offset(c.offset + p * (c.k / kBlock) * kPanel) {}
+
+  inline void Load(int64_t k, Vec* b) const {
+    const uint8_t* q = codes + k * kRowBytes;
+    const float* s = scale + k / kBlock * kPanel;
+    const float* o = offset + k / kBlock * kPanel;
+    Vec codes[kPanelVecs];
+    if constexpr (kBits == 4) {  // column c < 16: low nibble of byte c; else high of c - 16
+      for (int v = 0; v < kPanelVecs; ++v) {
+        const int col = v * kNative;
+        codes[v] = col < kLanes ? CodesAsFloats<4, false>(q + col % kLanes)
+                                : CodesAsFloats<4, true>(q + col % kLanes);
+      }
+    } else {
+      for (int v = 0; v < kPanelVecs; ++v) codes[v] = CodesAsFloats<8, false>(q + v * kNative);
+    }
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const int col = v * kNative;
+      const Vec code = codes[v];
+      Vec sv, ov;
+      std::memcpy(&sv, s + col, sizeof(Vec));
+      std::memcpy(&ov, o + col, sizeof(Vec));
+      b[v] = sv * code + ov;  // scale * code is exact: one rounding, fused or not
+    }
+  }
+};
+
+// The rows [r0, r1) of panel p. One row tile reads the codes directly; more
+// expand the panel once into this thread's scratch (it stays in cache for
+// every row tile of the chunk). Both multiply the same float32 values
+// through the same tiles.
+template <int kBits>
+void Chunk(const Problem& pb, const Codes& c, int64_t p, int64_t r0, int64_t r1) {
+  const CodedRows<kBits> coded(c, p);
+  if (r1 - r0 <= kRowTile) {
+    if (r1 - r0 == kRowTile) return Tile<kRowTile>(pb, coded, r0, p);
+    return TailTile(pb, coded, r0, p, static_cast<int>(r1 - r0));
+  }
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(c.k * kPanel));
+  for (int64_t k = 0; k < c.k; ++k) {
+    Vec row[kPanelVecs];
+    coded.Load(k, row);
+    std::memcpy(&scratch[k * kPanel], row, sizeof(row));
+  }
+  const PanelRows expanded{scratch.data(), false};
+  int64_t r = r0;
+  for (; r + kRowTile <= r1; r += kRowTile) Tile<kRowTile>(pb, expanded, r, p);
+  if (r < r1) TailTile(pb, expanded, r, p, static_cast<int>(r1 - r));
+}
+
+// Work items as in packed_matmul.cc: (row chunk, panel), panels fastest.
+void Items(const Problem& pb, const Codes& c, int64_t num_panels, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
+    const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
+    if (c.bits == 4) {
+      Chunk<4>(pb, c, p, r0, r1);
+    } else {
+      Chunk<8>(pb, c, p, r0, r1);
+    }
+  }
+}
+
+ffi::Error CodedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
+                           ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> num_rows,
+                           ffi::ResultBuffer<ffi::F32> y, bool silu_mul, int64_t bits) {
+  const auto xd = x.dimensions();
+  const auto cd = codes.dimensions();
+  const auto sd = scale.dimensions();
+  const auto od = offset.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || od.size() != 3 || yd.size() != 2 ||
+      (bits != 4 && bits != 8)) {
+    return ffi::Error::InvalidArgument(
+        "coded matmul: expected x [M, K], codes [P, K, 16|32], scale/offset [P, K/32, 32], "
+        "y [M, N], bits 4 or 8");
+  }
+  const int64_t k = xd[1], panels = cd[0];
+  const int64_t per_panel = silu_mul ? kLanes : kPanel;
+  const bool shapes_match =
+      k % kBlock == 0 && cd[1] == k && cd[2] == (bits == 4 ? kLanes : kPanel) &&
+      sd[0] == panels && sd[1] == k / kBlock && sd[2] == kPanel &&
+      od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2] && yd[0] == xd[0] &&
+      yd[1] <= panels * per_panel && yd[1] > (panels - 1) * per_panel;
+  if (!shapes_match) return ffi::Error::InvalidArgument("coded matmul: shapes do not match");
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  const Problem pb{x.typed_data(), y->typed_data(), rows, k, yd[1], silu_mul};
+  const Codes c{codes.typed_data(), scale.typed_data(), offset.typed_data(), k,
+                static_cast<int>(bits)};
+  std::memset(pb.y + rows * pb.n, 0, sizeof(float) * (xd[0] - rows) * pb.n);
+  const int64_t items = (rows + kRowChunk - 1) / kRowChunk * panels;
+  esurge_kernels::ParallelFor(pool, items, 4, [&pb, &c, panels](int64_t begin, int64_t end) {
+    Items(pb, c, panels, begin, end);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeCodedMatmul, CodedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
+                                  .Attr<bool>("silu_mul")
+                                  .Attr<int64_t>("bits"));
