@@ -228,12 +228,14 @@ class GGUFSource:
             _KEPT_OPEN[key] = self.gguf
         self._read: Any = None
         self._codes: Any = None
+        self._num_layers: Any = None
         self._last: tuple[str, np.ndarray] | None = None
 
     def hf_config(self) -> Any:
         config = self.gguf.hf_config()
         text = getattr(config, "text_config", None) or config
-        self._read = self.gguf.tensor_reader(int(text.num_hidden_layers))
+        self._num_layers = int(text.num_hidden_layers)
+        self._read = self.gguf.tensor_reader(self._num_layers)
         return config
 
     def eos_token_ids(self, hf_config: Any) -> tuple[int, ...]:
@@ -270,9 +272,9 @@ class GGUFSource:
 
     def read_codes(self, name: str) -> WeightCodes | None:
         if self._codes is None:
-            config = self.hf_config()
-            text = getattr(config, "text_config", None) or config
-            self._codes = self.gguf.code_reader(int(text.num_hidden_layers))
+            if self._num_layers is None:
+                self.hf_config()
+            self._codes = self.gguf.code_reader(self._num_layers)
         try:
             return self._codes(name)  # type: ignore[no-any-return]
         except KeyError:

@@ -2,16 +2,21 @@
 
 The serving layout where a GGUF stores a projection in an affine block format
 (esurge.models.weight_codes) and the CPU kernels serve float32: the codes,
-scales and offsets are packed into the panels of esurge.models.packed_linear
-(same column order, so the float32 panel packing defines both) and the C++
-kernel expands each panel to float32 in cache before multiplying
+scales and offsets are packed in the column order of esurge.models.
+packed_linear's float32 panels (tests hold the two to bit-identical
+products), and the C++ kernel expands each panel to float32 in cache before multiplying
 (cpu_kernels/coded_matmul.cc). A decode step then streams about a sixth of
 the float32 weight's bytes (4-bit codes) and gets exactly the float32 panel
 kernel's result on the dequantized weight.
 
 Where the model also keeps the input-major float32 weight (dual layout, CPUs
-without AVX-512), buckets past DUAL_KERNEL_MAX_ROWS multiply by it with XLA,
-as the float32 panel modules do.
+without AVX-512), the kernel serves a step of at most CODED_KERNEL_MAX_ROWS
+real rows (decided on device, since a decode bucket has 16 rows however few
+are real) and XLA's matmul on that weight serves the rest: past one AVX2
+register tile the kernel expands each panel into scratch first, and at 4
+real rows it already trails XLA on the whole padded bucket (measured on a
+Zen 3, SmolLM2's gate/up: 1 row 0.18 ms against 0.25; 2 rows 0.28 against
+0.28; 4 rows 1.14 against 1.16; the Q8_0 LM head: 2.5 ms against 7.6 at 1 row).
 """
 
 from __future__ import annotations
@@ -24,10 +29,15 @@ import numpy as np
 from flax import nnx
 
 from esurge.models.cpu_kernels import PANEL, coded_matmul_kernel
-from esurge.models.packed_linear import pack_gate_up, pack_weight, plain_serves
+from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.weight_codes import CODE_BLOCK, WeightCodes
 
-__all__ = ["CodedGateUp", "CodedLinear", "code_bytes", "pack_codes", "pack_gate_up_codes"]
+__all__ = ["CODED_KERNEL_MAX_ROWS", "CodedGateUp", "CodedLinear", "code_bytes",
+           "coded_or_plain", "pack_codes", "pack_gate_up_codes"]
+
+# Real rows up to which the coded kernel beats XLA's matmul on the plain
+# weight (one AVX2 register tile; see the module docstring).
+CODED_KERNEL_MAX_ROWS = 2
 
 _HALF = PANEL // 2
 
@@ -37,11 +47,20 @@ def code_bytes(bits: int) -> int:
     return PANEL // 2 if bits == 4 else PANEL
 
 
-def _column_map(pack: Callable[[jax.Array], jax.Array], out_features: int) -> np.ndarray:
-    """[P, PANEL]: the weight column each panel slot holds (-1: padding), read
-    off the float32 packing of a one-row weight of column numbers."""
-    numbers = jnp.arange(1, out_features + 1, dtype=jnp.float32)[None, :]  # [1, out]
-    return np.asarray(pack(numbers))[:, 0, :].astype(np.int64) - 1
+def _columns(out_features: int) -> np.ndarray:
+    """[P, PANEL]: the weight column each slot of pack_weight's panels holds (-1: padding)."""
+    panels = -(-out_features // PANEL)
+    columns = np.arange(panels * PANEL).reshape(panels, PANEL)
+    return np.where(columns < out_features, columns, -1)
+
+
+def _gate_up_columns(intermediate: int) -> np.ndarray:
+    """[P, PANEL]: the same for pack_gate_up's panels (16 gate, then the same 16 up columns)."""
+    panels = -(-intermediate // _HALF)
+    gate = np.arange(panels * _HALF).reshape(panels, _HALF)
+    real = gate < intermediate
+    return np.concatenate([np.where(real, gate, -1), np.where(real, gate + intermediate, -1)],
+                          axis=1)
 
 
 def _panels(codes: WeightCodes, columns: np.ndarray) -> dict[str, np.ndarray]:
@@ -62,14 +81,15 @@ def _panels(codes: WeightCodes, columns: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def pack_codes(codes: WeightCodes) -> dict[str, np.ndarray]:
-    """A projection's codes ([out, in]) in the column panels of pack_weight."""
-    return _panels(codes, _column_map(pack_weight, codes.shape[0]))
+    """A projection's codes ([out, in]) in the column panels of
+    esurge.models.packed_linear.pack_weight."""
+    return _panels(codes, _columns(codes.shape[0]))
 
 
 def pack_gate_up_codes(codes: WeightCodes, intermediate: int) -> dict[str, np.ndarray]:
     """A fused gate/up weight's codes ([2I, in], gate rows first) in the SiLU
-    panels of pack_gate_up."""
-    return _panels(codes, _column_map(lambda w: pack_gate_up(w, intermediate), 2 * intermediate))
+    panels of esurge.models.packed_linear.pack_gate_up."""
+    return _panels(codes, _gate_up_columns(intermediate))
 
 
 class _CodedPanels(nnx.Module):
@@ -91,6 +111,20 @@ class _CodedPanels(nnx.Module):
                                    out_features, self.bits, num_rows, silu_mul=silu_mul)
 
 
+def coded_or_plain(x: jax.Array,  # [T, in]
+                   num_rows: jax.Array | None,  # [] int32: real rows of x
+                   kernel: Callable[[], jax.Array], plain: Callable[[], jax.Array] | None
+                   ) -> jax.Array:
+    """The coded kernel's product or XLA's on the float32 weight (plain; None
+    when the model keeps none), whichever serves this many real rows."""
+    if plain is None:
+        return kernel()
+    if x.shape[0] > DUAL_KERNEL_MAX_ROWS:
+        return plain()
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    return jax.lax.cond(rows <= CODED_KERNEL_MAX_ROWS, kernel, plain)
+
+
 class CodedLinear(nnx.Module):
     """y = x W + b with W as codes in column panels (dual: also input-major float32)."""
 
@@ -104,8 +138,10 @@ class CodedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, out]
-        y = (x @ self.plain[...] if plain_serves(x, self.plain)  # type: ignore[index]
-             else self.weight.matmul(x, self.out_features, num_rows, silu_mul=False))
+        plain = self.plain
+        y = coded_or_plain(
+            x, num_rows, lambda: self.weight.matmul(x, self.out_features, num_rows, False),
+            None if plain is None else lambda: x @ plain[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -121,7 +157,12 @@ class CodedGateUp(nnx.Module):
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, intermediate]
-        if plain_serves(x, self.plain):
-            y = x @ self.plain[...]  # type: ignore[index]
-            return jax.nn.silu(y[:, :self.intermediate]) * y[:, self.intermediate:]
-        return self.weight.matmul(x, self.intermediate, num_rows, silu_mul=True)
+        plain, half = self.plain, self.intermediate
+
+        def through_plain() -> jax.Array:
+            y = x @ plain[...]  # type: ignore[index]
+            return jax.nn.silu(y[:, :half]) * y[:, half:]
+
+        return coded_or_plain(x, num_rows,
+                              lambda: self.weight.matmul(x, half, num_rows, silu_mul=True),
+                              None if plain is None else through_plain)

@@ -18,7 +18,7 @@ from esurge.core.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from esurge.models.batch import ForwardBatch
-from esurge.models.coded_linear import CodedLinear
+from esurge.models.coded_linear import CodedLinear, coded_or_plain
 from esurge.models.decoder_config import AttentionKind, DecoderConfig, LayerAttention, RopeConfig
 from esurge.models.kv_cache import KVCache
 from esurge.models.layers import (
@@ -30,7 +30,6 @@ from esurge.models.layers import (
     serving_linear,
 )
 from esurge.models.local_shards import Split
-from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.paged_attention import AttentionMetadata
 from esurge.models.rope import rope_cos_sin
 
@@ -140,15 +139,26 @@ class CausalLM(nnx.Module):
         stacked = jnp.stack([aux[i] for i in aux_hidden_layer_ids]) if aux else None
         return hidden, stacked, kv_cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [L, H] -> [L, vocab] float32
-        """LM head (tied to the embedding when configured) and final soft-capping."""
+    def compute_logits(self, hidden: jax.Array,  # [L, H] -> [L, vocab] float32
+                       num_rows: jax.Array | None = None,  # [] int32: rows past it are padding
+                       ) -> jax.Array:
+        """LM head (tied to the embedding when configured) and final soft-capping.
+
+        Rows at or past num_rows are padding: a coded head (a GGUF's codes)
+        may return anything for them, and skips computing them."""
         config, head = self.config, self.lm_head
-        large_tied = (config.tie_word_embeddings and config.dual_layout
-                      and hidden.shape[0] > DUAL_KERNEL_MAX_ROWS)
-        if head is None or large_tied:
-            logits = jnp.einsum("lh,vh->lv", hidden, self.model.embed_tokens.weight[...])
+        embedding = self.model.embed_tokens.weight
+
+        def tied() -> jax.Array:
+            return jnp.einsum("lh,vh->lv", hidden, embedding[...])
+
+        if head is None:
+            logits = tied()
+        elif isinstance(head, CodedLinear) and config.tie_word_embeddings:
+            logits = coded_or_plain(hidden, num_rows, lambda: head(hidden, num_rows),
+                                    tied if config.dual_layout else None)
         else:
-            logits = head(hidden)
+            logits = head(hidden, num_rows) if isinstance(head, CodedLinear) else head(hidden)
         if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards
             logits = logits[:, :self.config.vocab_size]
         cap = self.config.final_softcap

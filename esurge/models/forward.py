@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.batch import ForwardBatch
@@ -96,6 +97,16 @@ def _check_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
         raise ValueError(f"aux_hidden_layer_ids {bad} are outside [0, {num_layers})")
 
 
+def logits_rows(logits_indices: jax.Array  # [L] int32: increasing, then 0-padded
+                ) -> jax.Array:  # [] int32
+    """Rows of logits_indices up to its last real one: real rows increase
+    (token order), padding is 0 (esurge.models.batch), so the last increase
+    marks the end (one row when there is no increase)."""
+    position = jnp.arange(logits_indices.shape[0], dtype=jnp.int32)[1:]
+    rises = logits_indices[1:] > logits_indices[:-1]
+    return 1 + jnp.max(jnp.where(rises, position, 0), initial=0)
+
+
 def forward(
     model_state: ModelState,
     kv_cache: KVCache,
@@ -110,7 +121,8 @@ def forward(
     model = model_state.module()
     _check_aux_ids(aux_hidden_layer_ids, model.config.num_layers)
     hidden, aux, kv_cache = model(batch, kv_cache, aux_hidden_layer_ids, block_pages)
-    logits = model.compute_logits(hidden[batch.logits_indices])
+    logits = model.compute_logits(hidden[batch.logits_indices],
+                                  logits_rows(jnp.asarray(batch.logits_indices)))
     return logits, (hidden if aux is None else aux), kv_cache
 
 

@@ -140,3 +140,14 @@ def test_coded_weights_are_validated() -> None:
     with pytest.raises(ValueError, match="the role must be one of"):
         config(**packed, coded_weights=(("o_proj", 5),))
     assert config(**packed, coded_weights=(("o_proj", 8),)).code_bits("o_proj") == 8
+
+
+@pytest.mark.parametrize(("indices", "rows"), [
+    ([0, 0, 0, 0], 1),  # one request (or none): one row
+    ([3, 9, 12, 0, 0, 0], 3),  # three requests' last tokens, then bucket padding
+    ([2, 3, 4, 0, 7, 0, 0, 0], 5),  # verifying drafts: request 1's rows start at slot 4
+])
+def test_logits_rows_ends_at_the_last_real_row(indices: list[int], rows: int) -> None:
+    from esurge.models.forward import logits_rows
+
+    assert int(logits_rows(jnp.asarray(indices, jnp.int32))) == rows
