@@ -102,8 +102,13 @@ def _plain_reader(path: Path) -> Any:
     np.memmap makes a memmap object each time (a Python __array_finalize__
     per slice), which turned reading a 49k-token vocabulary into ~4 s of
     overhead (~1 s over a plain view). The view keeps the map alive.
+
+    Arrays of strings and of scalars (a vocabulary, its merges and token
+    types: ~150k items) are also split in one pass each rather than one
+    generic recursive call per item, into the same parts (SmolLM2's file:
+    0.25 s against 6.2 s for gguf's own reader, on a busy 2-core machine).
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader, GGUFValueType
 
     class PlainArrayReader(GGUFReader):
         @property  # type: ignore[override]
@@ -114,7 +119,43 @@ def _plain_reader(path: Path) -> Any:
         def data(self, value: np.ndarray) -> None:
             self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
 
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            length = self._get(orig_offs + 4, np.uint64)
+            item_type = GGUFValueType(int(raw_itype[0]))
+            scalar = self.gguf_scalar_to_np.get(item_type)
+            head: list[np.ndarray] = [raw_itype, length]
+            start = orig_offs + 12
+            if scalar is not None:
+                values = self._get(start, scalar, int(length[0]))
+                parts = head + list(values.reshape(-1, 1))
+                return (12 + values.nbytes, parts, list(range(2, len(parts))),
+                        [GGUFValueType.ARRAY, item_type])
+            if item_type != GGUFValueType.STRING:  # nested arrays: the generic walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            return _string_array_parts(self.data, self.byte_order, start, int(length[0]), head)
+
     return PlainArrayReader(str(path), "r")
+
+
+def _string_array_parts(data: np.ndarray, byte_order: Any, start: int, count: int,
+                        head: list[np.ndarray]) -> Any:
+    """The reader's parts of a GGUF array of `count` strings at `start`: per
+    string its uint64 length and its bytes, as views of data (the same parts
+    gguf's generic walk makes). byte_order: the reader's ('I' or 'S')."""
+    from gguf import GGUFValueType
+
+    length_type = np.dtype(np.uint64).newbyteorder(byte_order)
+    parts, indices, offset = list(head), [], start
+    for _ in range(count):
+        size = data[offset:offset + 8].view(length_type)
+        text = data[offset + 8:offset + 8 + int(size[0])]
+        parts += (size, text)
+        indices.append(len(parts) - 1)
+        offset += 8 + text.nbytes
+    return offset - start + 12, parts, indices, [GGUFValueType.ARRAY, GGUFValueType.STRING]
 
 
 def _field_value(field: Any) -> Any:

