@@ -62,7 +62,9 @@ _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "c
 _HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "panel_tiles.h",
             _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-shared", "-fPIC")
+_COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-fPIC")
+_LINK_FLAGS = ("-shared",)
+_FLAGS = (*_COMPILE_FLAGS, *_LINK_FLAGS)
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -103,16 +105,32 @@ def _build(cxx: str) -> Path:
     if lib.is_file():
         return lib
     cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *_FLAGS, f"-I{include}", *map(str, _SOURCES), "-o", tmp],
+    with tempfile.TemporaryDirectory(dir=cache) as work:
+        objects = _compile_objects(cxx, include, Path(work))
+        tmp = Path(work) / "lib.so"
+        subprocess.run([cxx, *_LINK_FLAGS, *map(str, objects), "-o", str(tmp)],
                        capture_output=True, text=True, check=True)
         os.replace(tmp, lib)  # atomic: concurrent builders end with one whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return lib
+
+
+def _compile_objects(cxx: str, include: str, work: Path) -> list[Path]:
+    """Each source compiled to an object in work, all at once: the sources
+    build in 12, 5 and 7 s on a 2-core machine, 24 s one after another, and
+    the build is part of a first start."""
+    objects = [work / f"{path.stem}.o" for path in _SOURCES]
+    builds = [subprocess.Popen([cxx, *_COMPILE_FLAGS, f"-I{include}", "-c", str(path),
+                                "-o", str(obj)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+              for path, obj in zip(_SOURCES, objects, strict=True)]
+    failed = None
+    for build in builds:
+        out, err = build.communicate()
+        if build.returncode and failed is None:
+            failed = subprocess.CalledProcessError(build.returncode, build.args, out, err)
+    if failed is not None:
+        raise failed
+    return objects
 
 
 def _load() -> bool:
