@@ -51,8 +51,7 @@ class CodedPanels:
 def _fused_codes(source: CheckpointSource, layer: int, module: str,
                  parts: tuple[str, ...]) -> WeightCodes | None:
     codes = [source.read_codes(f"model.layers.{layer}.{module}.{part}.weight") for part in parts]
-    present = [c for c in codes if c is not None]
-    return concat_rows(present) if len(present) == len(codes) else None
+    return None if None in codes else concat_rows(codes)  # type: ignore[arg-type]
 
 
 def _layer_role(source: CheckpointSource, config: DecoderConfig, role: str
@@ -73,18 +72,19 @@ def _layer_role(source: CheckpointSource, config: DecoderConfig, role: str
 def read_coded_panels(source: CheckpointSource, config: DecoderConfig) -> CodedPanels:
     """The panels of every role the checkpoint holds as codes (config: the
     checkpoint's, one device)."""
-    coded = CodedPanels(layers=[{} for _ in range(config.num_layers)])
+    bits: dict[str, int] = {}
+    layers: list[dict[str, Panels]] = [{} for _ in range(config.num_layers)]
     for role in _LAYER_ROLES:
         if role == "gate_up_proj" and not config.gated_silu:
             continue  # the coded gate/up kernel applies SiLU itself
         found = _layer_role(source, config, role)
         if found is not None:
-            coded.bits[role] = found[0]
-            for layer, panels in zip(coded.layers, found[1], strict=True):
+            bits[role] = found[0]
+            for layer, panels in zip(layers, found[1], strict=True):
                 layer[role] = panels
     head = source.read_codes("model.embed_tokens.weight" if config.tie_word_embeddings
                              else "lm_head.weight")
-    if head is not None and head.shape[0] == config.padded_vocab_size:
-        coded.bits["lm_head"] = head.bits
-        return CodedPanels(coded.bits, coded.layers, pack_codes(head))
-    return coded
+    if head is None or head.shape[0] != config.padded_vocab_size:
+        return CodedPanels(bits, layers)
+    bits["lm_head"] = head.bits
+    return CodedPanels(bits, layers, pack_codes(head))

@@ -144,8 +144,8 @@ class CausalLM(nnx.Module):
                        ) -> jax.Array:
         """LM head (tied to the embedding when configured) and final soft-capping.
 
-        Rows at or past num_rows are padding: a coded head (a GGUF's codes)
-        may return anything for them, and skips computing them."""
+        Rows at or past num_rows are padding: a packed or coded head skips
+        them (their logits come back zero)."""
         config, head = self.config, self.lm_head
         embedding = self.model.embed_tokens.weight
 
@@ -154,11 +154,10 @@ class CausalLM(nnx.Module):
 
         if head is None:
             logits = tied()
-        elif isinstance(head, CodedLinear) and config.tie_word_embeddings:
-            logits = coded_or_plain(hidden, num_rows, lambda: head(hidden, num_rows),
-                                    tied if config.dual_layout else None)
+        elif config.tie_word_embeddings and config.dual_layout:  # a coded head, tied
+            logits = coded_or_plain(hidden, num_rows, lambda: head(hidden, num_rows), tied)
         else:
-            logits = head(hidden, num_rows) if isinstance(head, CodedLinear) else head(hidden)
+            logits = head(hidden, num_rows)
         if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards
             logits = logits[:, :self.config.vocab_size]
         cap = self.config.final_softcap

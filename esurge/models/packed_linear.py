@@ -23,7 +23,7 @@ from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
 from esurge.models.local_shards import Split, over_local_panels
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
-           "packed_matmul", "packed_silu_mul", "plain_serves"]
+           "packed_matmul", "packed_silu_mul"]
 
 _HALF = PANEL // 2  # gate (or up) columns per panel of a PackedGateUp
 
@@ -54,7 +54,7 @@ def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
     return x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)
 
 
-def plain_serves(x: jax.Array, plain: nnx.Param[jax.Array] | None) -> bool:
+def _plain_takes(x: jax.Array, plain: nnx.Param[jax.Array] | None) -> bool:
     """True when a dual-layout module should run this bucket on its plain weight."""
     return plain is not None and x.shape[0] > DUAL_KERNEL_MAX_ROWS
 
@@ -156,7 +156,7 @@ class PackedGateUp(nnx.Module):
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, intermediate]
-        if plain_serves(x, self.plain):
+        if _plain_takes(x, self.plain):
             # The fused weight's columns are per shard: [gate_i | up_i].
             y = (x @ self.plain[...]).reshape(x.shape[0], self.shards, -1)  # type: ignore[index]
             local = self.intermediate // self.shards
@@ -186,7 +186,7 @@ class PackedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
                  ) -> jax.Array:  # [T, in] -> [T, out]
-        if plain_serves(x, self.plain):
+        if _plain_takes(x, self.plain):
             y = x @ self.plain[...]  # type: ignore[index]
         else:
             y = packed_matmul(x, self.weight[...], self.out_features, num_rows, self.split,
