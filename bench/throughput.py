@@ -21,8 +21,14 @@ peaks reuse one cache-resident weight; a decode step streams every weight from
 memory, so the script also measures 32-row matmuls over weights too many to
 cache, the rate a memory-bound decode step can reach at best.
 
+`--dtype float32,bfloat16` does the same across serving dtypes (each engine
+loads the float32 checkpoint in that dtype; every (dtype, decode_steps) pair
+is one engine, alternating), and for the 150M model reports the bfloat16
+kernel's own matmul rate (AMX / AVX512_BF16, where the CPU has them) at 32 and
+2048 rows, the peak that dtype's engine is measured against.
+
     .venv/bin/python bench/throughput.py [--models tiny,150m] [--sets 3] [--hf-sets 1] [--sync]
-        [--decode-steps 8]
+        [--decode-steps 8] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,13 +48,24 @@ from bench.common import MODEL_SHAPES, make_checkpoint, timed, workload_w1
 NEW_TOKENS = 64
 
 
-def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_scheduling: bool,
-                        decode_steps: list[int]) -> dict[int, tuple[float, list[float], float]]:
-    """{decode_steps: (median tok/s, per-set tok/s, load + warm-up seconds)}.
+@dataclass(frozen=True)
+class Variant:
+    """One engine of the comparison: its serving dtype and decode burst length."""
 
-    One engine per decode_steps value, all in this process; each timed set runs
-    on every engine in turn (order alternating by round), so the engines see
-    the same prompts and the same phases of a drifting machine.
+    dtype: str
+    decode_steps: int
+
+    def __str__(self) -> str:
+        return f"{self.dtype}, decode_steps={self.decode_steps}"
+
+
+def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_scheduling: bool,
+                        variants: list[Variant]) -> dict[Variant, tuple[float, list[float], float]]:
+    """{variant: (median tok/s, per-set tok/s, load + warm-up seconds)}.
+
+    One engine per variant, all in this process; each timed set runs on every
+    engine in turn (order alternating by round), so the engines see the same
+    prompts and the same phases of a drifting machine.
     """
     from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
 
@@ -58,23 +76,24 @@ def engine_tokens_per_s(model_dir: Path, sets: list[list[list[int]]], async_sche
         CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
     )
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    engines: dict[int, eSurge] = {}
-    compile_s: dict[int, float] = {}
-    rates: dict[int, list[float]] = {k: [] for k in decode_steps}
+    engines: dict[Variant, eSurge] = {}
+    compile_s: dict[Variant, float] = {}
+    rates: dict[Variant, list[float]] = {v: [] for v in variants}
     try:
-        for k in decode_steps:
+        for v in variants:
             start = time.perf_counter()
-            engines[k] = eSurge(model_dir, config, show_progress=False, decode_steps=k)
-            compile_s[k] = time.perf_counter() - start
-            engines[k].generate(sets[0], params)
+            engines[v] = eSurge(model_dir, config, show_progress=False,
+                                decode_steps=v.decode_steps, dtype=v.dtype)
+            compile_s[v] = time.perf_counter() - start
+            engines[v].generate(sets[0], params)
         for r, prompts in enumerate(sets[1:]):
-            for k in decode_steps if r % 2 == 0 else decode_steps[::-1]:
-                seconds = timed(lambda p=prompts, e=engines[k]: e.generate(p, params))
-                rates[k].append(len(prompts) * NEW_TOKENS / seconds)
+            for v in variants if r % 2 == 0 else variants[::-1]:
+                seconds = timed(lambda p=prompts, e=engines[v]: e.generate(p, params))
+                rates[v].append(len(prompts) * NEW_TOKENS / seconds)
     finally:
         for llm in engines.values():
             llm.shutdown()
-    return {k: (statistics.median(rates[k]), rates[k], compile_s[k]) for k in decode_steps}
+    return {v: (statistics.median(rates[v]), rates[v], compile_s[v]) for v in variants}
 
 
 def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float, list[float]]:
@@ -98,7 +117,7 @@ def hf_tokens_per_s(model_dir: Path, sets: list[list[list[int]]]) -> tuple[float
 
 
 def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32, cold: bool = False,
-                      packed: bool = False) -> float:
+                      packed: bool = False, dtype: str = "float32") -> float:
     """Best FLOP/s of XLA matmuls at the model's weight shapes, `tokens` rows each.
 
     cold: cycle through enough copies of each weight (>= 512 MiB) that every
@@ -106,6 +125,7 @@ def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32, cold: bool = Fa
     model does; otherwise one weight stays cache-resident.
     packed: the engine's own matmul instead (weights packed in panels, the CPU
     kernel of esurge.models.packed_linear).
+    dtype: of the operands (bfloat16 with packed: the bfloat16 kernel).
     """
     import jax
     import jax.numpy as jnp
@@ -115,9 +135,10 @@ def matmul_peak_flops(hidden: int, inter: int, tokens: int = 32, cold: bool = Fa
 
     best = 0.0
     for k, n in ((hidden, hidden), (hidden, inter), (inter, hidden), (hidden, 4096)):
-        copies = max(1, (512 << 20) // (4 * k * n)) if cold else 1
-        x = jnp.asarray(np.random.rand(tokens, k).astype(np.float32))
-        weights = [jnp.asarray(np.random.rand(k, n).astype(np.float32)) for _ in range(copies)]
+        width = jnp.dtype(dtype).itemsize
+        copies = max(1, (512 << 20) // (width * k * n)) if cold else 1
+        x = jnp.asarray(np.random.rand(tokens, k), dtype)
+        weights = [jnp.asarray(np.random.rand(k, n), dtype) for _ in range(copies)]
         if packed:
             weights = [pack_weight(w) for w in weights]
             f = jax.jit(lambda a, b, n=n: packed_matmul(a, b, n))
@@ -160,21 +181,25 @@ def main() -> None:
     parser.add_argument("--sync", action="store_true", help="async scheduling off")
     parser.add_argument("--decode-steps", default="8",
                         help="decode iterations per burst; a comma list measures each")
+    parser.add_argument("--dtype", default="float32",
+                        help="serving dtype; a comma list (float32,bfloat16) measures each")
     args = parser.parse_args()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="esurge-bench-"))
     for shape in args.models.split(","):
         model_dir = make_checkpoint(workdir / shape, shape)
         sets = workload_w1(model_dir, num_sets=1 + args.sets)
-        steps = [int(v) for v in args.decode_steps.split(",")]
-        results = engine_tokens_per_s(model_dir, sets, not args.sync, steps)
+        variants = [Variant(d, int(k)) for d in args.dtype.split(",")
+                    for k in args.decode_steps.split(",")]
+        results = engine_tokens_per_s(model_dir, sets, not args.sync, variants)
         theirs, hf_runs = hf_tokens_per_s(model_dir, sets[:1 + args.hf_sets])
-        for k, (rate, runs, compile_s) in results.items():
-            versus = "" if k == steps[0] else f", {rate / results[steps[0]][0]:.2f}x the first"
-            print(f"[{shape}] eSurge (decode_steps={k}) {rate:,.0f} tok/s (runs "
+        first = variants[0]
+        for v, (rate, runs, compile_s) in results.items():
+            versus = "" if v == first else f", {rate / results[first][0]:.2f}x the first"
+            print(f"[{shape}] eSurge ({v}) {rate:,.0f} tok/s (runs "
                   f"{[round(r) for r in runs]}, warm-up+load {compile_s:.1f}s{versus}) | "
                   f"transformers {theirs:,.0f} tok/s (runs {[round(r) for r in hf_runs]}) | "
                   f"ratio {rate / theirs:.2f}x")
-        ours = results[steps[0]][0]
+        ours = results[first][0]
         if shape == "150m":
             hidden, _, _, _, inter = MODEL_SHAPES[shape]
             peak, prefill_peak = matmul_peak_flops(hidden, inter), matmul_peak_flops(
@@ -196,6 +221,15 @@ def main() -> None:
             print(f"[{shape}] the engine's own packed matmul at 32 rows: {own / 1e9:.1f} GFLOP/s "
                   f"cached, {own_streamed / 1e9:.1f} streamed; engine = {achieved / own:.0%} "
                   f"of the cached one")
+            for v, (rate, _, _) in results.items():
+                if v.dtype != "bfloat16":
+                    continue
+                bf16 = [matmul_peak_flops(hidden, inter, tokens=t, packed=True, dtype="bfloat16")
+                        for t in (32, 2048)]
+                done = (prefill + decode) / (len(sets[1]) * NEW_TOKENS / rate)
+                print(f"[{shape}] bfloat16 kernel peak: {bf16[0] / 1e9:.1f} GFLOP/s at 32 rows, "
+                      f"{bf16[1] / 1e9:.1f} at 2048 rows; engine ({v}) {done / 1e9:.1f} GFLOP/s"
+                      f" = {done / bf16[0]:.0%} of the 32-row bfloat16 peak")
 
 
 if __name__ == "__main__":

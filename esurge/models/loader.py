@@ -24,7 +24,7 @@ from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_co
 from esurge.errors import InvalidConfigError
 from esurge.models.checkpoint import CheckpointSource, open_checkpoint
 from esurge.models.coded_layout import CodedPanels, read_coded_panels
-from esurge.models.cpu_kernels import cpu_has_avx512, kernels_serve
+from esurge.models.cpu_kernels import cpu_has_amx, cpu_has_avx512, kernels_serve
 from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.families import decoder_config_from_hf
@@ -109,8 +109,11 @@ def resolve_dtype(requested: str, source: CheckpointSource, hf_config: Any) -> t
     """The serving dtype for `requested` ("auto", "float32" or "bfloat16") and why.
 
     auto: the checkpoint's own precision where this backend runs it on a fast
-    path. On CPU that is float32 for every checkpoint: the C++ kernels serve
-    float32, and XLA's CPU bfloat16 matmuls are tens of times slower than them.
+    path. On CPU a bfloat16 checkpoint is served in bfloat16 where the CPU
+    multiplies bfloat16 natively (AVX512_BF16, AMX) and the kernels build;
+    every other checkpoint, and bfloat16 elsewhere, in float32: the C++
+    kernels serve float32, and XLA's CPU bfloat16 matmuls are tens of times
+    slower than them.
     """
     if requested not in ("auto", *LOAD_DTYPES):
         raise InvalidConfigError("dtype", f"dtype must be 'auto' or one of "
@@ -122,8 +125,12 @@ def resolve_dtype(requested: str, source: CheckpointSource, hf_config: Any) -> t
     if backend == "cpu":
         if stored == "float32":
             return "float32", "float32 checkpoint"
-        return "float32", (f"{stored} checkpoint upcast: the CPU kernels run float32, "
-                           "which is faster here than XLA's CPU bfloat16")
+        if stored == "bfloat16" and kernels_serve(jnp.bfloat16):
+            return "bfloat16", ("bfloat16 checkpoint; this CPU's native bfloat16 dot products "
+                                "serve it (AVX512_BF16" + (", AMX)" if cpu_has_amx() else ")"))
+        return "float32", (f"{stored} checkpoint upcast: the CPU kernels run float32 here "
+                           "(no native bfloat16 path for it on this CPU), which is faster "
+                           "than XLA's CPU bfloat16")
     if stored == "float32":
         return "float32", f"float32 checkpoint on {backend}"
     return "bfloat16", f"{stored} checkpoint on {backend}"

@@ -11,15 +11,28 @@ skipping the bucket's padding rows (XLA computes them) and by reading the
 packed layout directly (XLA would transpose every weight back first).
 Elsewhere (other platforms or dtypes, no compiler) one einsum reads the packed
 weight.
+
+bfloat16 panels keep the same shape with each panel's input rows interleaved
+in pairs ([K, PANEL] stored as [K / 2, PANEL, 2]), the operand layout of the
+CPU's bfloat16 dot products (AMX, AVX512_BF16; cpu_kernels/bf16_matmul.cc).
+Column and row shards of the panels cut between pairs, so tensor parallelism
+lays them out as it does float32 panels; the einsum path undoes the pairing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
+from esurge.models.cpu_kernels import (
+    PANEL,
+    bf16_matmul_kernel,
+    kernels_serve,
+    packed_matmul_kernel,
+)
 from esurge.models.local_shards import Split, over_local_panels
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
@@ -33,11 +46,38 @@ def num_panels(out_features: int) -> int:
     return -(-out_features // PANEL)
 
 
+def _pairs_interleaved(dtype: jnp.dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.bfloat16
+
+
+def _pair_rows(panels: jax.Array) -> jax.Array:  # [P, K, PANEL], same shape
+    """Each panel's input rows 2j and 2j + 1 interleaved column by column."""
+    p, k, n = panels.shape
+    if k % 2:
+        raise ValueError(f"bfloat16 panels need an even input width, got {k}")
+    return panels.reshape(p, k // 2, 2, n).transpose(0, 1, 3, 2).reshape(p, k, n)
+
+
+def _unpair_rows(panels: jax.Array) -> jax.Array:  # [P, K, PANEL], same shape
+    """The inverse of _pair_rows: plain [K, PANEL] panels."""
+    p, k, n = panels.shape
+    return panels.reshape(p, k // 2, n, 2).transpose(0, 1, 3, 2).reshape(p, k, n)
+
+
+def _plain_panels(packed: jax.Array) -> jax.Array:  # [P, K, PANEL]
+    return _unpair_rows(packed) if _pairs_interleaved(packed.dtype) else packed
+
+
+def _finish_packing(panels: jax.Array) -> jax.Array:  # [P, K, PANEL]
+    return _pair_rows(panels) if _pairs_interleaved(panels.dtype) else panels
+
+
 def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
-    """The packed form of an input-major weight (padding columns are zero)."""
+    """The packed form of an input-major weight (padding columns are zero;
+    bfloat16 input rows paired, see the module docstring)."""
     k, n = weight.shape
     padded = jnp.pad(weight, ((0, 0), (0, num_panels(n) * PANEL - n)))
-    return padded.reshape(k, -1, PANEL).transpose(1, 0, 2)
+    return _finish_packing(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
 
 
 # Most rows (a bucket's, known when tracing) the kernel serves when the
@@ -50,8 +90,14 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
 DUAL_KERNEL_MAX_ROWS = 16
 
 
-def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
-    return x.dtype == packed.dtype == jnp.float32 and kernels_serve(jnp.float32)
+MatmulKernel = Callable[..., jax.Array]
+
+
+def _kernel_for(x: jax.Array, packed: jax.Array) -> MatmulKernel | None:
+    """The CPU kernel that multiplies these operands, or None (XLA then)."""
+    if x.dtype != packed.dtype or not kernels_serve(x.dtype):
+        return None
+    return packed_matmul_kernel if x.dtype == jnp.float32 else bf16_matmul_kernel
 
 
 def _plain_takes(x: jax.Array, plain: nnx.Param[jax.Array] | None) -> bool:
@@ -73,7 +119,7 @@ def packed_matmul(
     split: Split = Split.NONE,
     shards: int = 1,  # COLUMN: the shards the panels were packed for (pack_layer)
 ) -> jax.Array:  # [T, out_features]
-    """x @ W for a packed W: the CPU kernel for float32, else XLA.
+    """x @ W for a packed W: the CPU kernel of its dtype where one serves, else XLA.
 
     Rows at or past num_rows are padding: the kernel returns zeros for them
     without computing them; the XLA path computes them like the others.
@@ -81,18 +127,18 @@ def packed_matmul(
     (esurge.models.local_shards.over_local_panels).
     """
     per_shard = split is Split.COLUMN and shards > 1
-    if _kernel_takes(x, packed):
+    kernel = _kernel_for(x, packed)
+    if kernel is not None:
         rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
         local = out_features // shards if per_shard else out_features
-        sharded = over_local_panels(
-            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n), split)
+        sharded = over_local_panels(lambda xs, ws, n: kernel(xs, ws, local, n), split)
         if sharded is not None:
             return sharded(x, packed, rows)
         if per_shard:  # no mesh: the whole weight, each shard's padding dropped
-            whole = packed_matmul_kernel(x, packed, packed.shape[0] * PANEL, rows)
+            whole = kernel(x, packed, packed.shape[0] * PANEL, rows)
             return _unpad_shards(whole, shards, out_features)
-        return packed_matmul_kernel(x, packed, out_features, rows)
-    y = jnp.einsum("tk,pkn->tpn", x, packed).reshape(x.shape[0], -1)
+        return kernel(x, packed, out_features, rows)
+    y = jnp.einsum("tk,pkn->tpn", x, _plain_panels(packed)).reshape(x.shape[0], -1)
     return _unpad_shards(y, shards, out_features) if per_shard else y[:, :out_features]
 
 
@@ -103,7 +149,7 @@ def pack_gate_up(weight: jax.Array, intermediate: int) -> jax.Array:  # [in, 2I]
     p = -(-intermediate // _HALF)
     halves = [jnp.pad(part, ((0, 0), (0, p * _HALF - intermediate))).reshape(k, p, _HALF)
               for part in (weight[:, :intermediate], weight[:, intermediate:])]
-    return jnp.concatenate(halves, axis=-1).transpose(1, 0, 2)
+    return _finish_packing(jnp.concatenate(halves, axis=-1).transpose(1, 0, 2))
 
 
 def packed_silu_mul(
@@ -116,18 +162,19 @@ def packed_silu_mul(
     """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
     (so the [T, 2I] product is never written); XLA elsewhere. Column-parallel
     when shards > 1 (each shard's gate/up columns packed on their own)."""
-    if _kernel_takes(x, packed):
+    kernel = _kernel_for(x, packed)
+    if kernel is not None:
         rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
         local = intermediate // shards
         sharded = over_local_panels(
-            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n, silu_mul=True),
+            lambda xs, ws, n: kernel(xs, ws, local, n, silu_mul=True),
             Split.COLUMN if shards > 1 else Split.NONE)
         if sharded is not None:
             return sharded(x, packed, rows)
-        whole = packed_matmul_kernel(x, packed, packed.shape[0] * _HALF if shards > 1
-                                     else intermediate, rows, silu_mul=True)
+        whole = kernel(x, packed, packed.shape[0] * _HALF if shards > 1 else intermediate,
+                       rows, silu_mul=True)
         return _unpad_shards(whole, shards, intermediate) if shards > 1 else whole
-    y = jnp.einsum("tk,pkn->tpn", x, packed)
+    y = jnp.einsum("tk,pkn->tpn", x, _plain_panels(packed))
     gate = y[..., :_HALF].reshape(x.shape[0], -1)
     up = y[..., _HALF:].reshape(x.shape[0], -1)
     if shards > 1:

@@ -1,7 +1,8 @@
 """Paged attention over a flattened token batch: the pure-JAX path and the dispatch.
 
 Layers call `write_and_attend`, which picks the implementation
-(`AttentionBackend`): on XLA:CPU with a float32 cache, the C++ kernel of
+(`AttentionBackend`): on XLA:CPU with a float32 cache (or bfloat16 where the
+CPU has native bfloat16), the C++ kernel of
 `esurge.models.cpu_kernels` (it writes the step's keys and values in place
 and reads each visible key once from the pages); elsewhere (GPU/TPU,
 bfloat16, no compiler) `write_kv` followed by the pure-JAX `paged_attention`
@@ -56,7 +57,7 @@ _MASKED = -1e30
 class AttentionBackend(enum.Enum):
     """Which implementation computes paged attention."""
 
-    AUTO = "auto"  # the CPU kernel where it applies (XLA:CPU, float32, built), else XLA
+    AUTO = "auto"  # the CPU kernel where it applies (XLA:CPU, its cache dtype, built), else XLA
     XLA = "xla"  # the pure-JAX formulation below, on any platform
     CPU_KERNEL = "cpu_kernel"  # esurge/models/cpu_kernels; ValueError where it cannot run
 
@@ -67,13 +68,16 @@ def kernel_serves(dtype: jnp.dtype | str) -> bool:
     return kernels_serve(dtype)
 
 
-def _use_kernel(backend: AttentionBackend, *arrays: jax.Array) -> bool:
+def _use_kernel(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array,
+                v_cache: jax.Array) -> bool:
     if backend is AttentionBackend.XLA:
         return False
-    fits = all(a.dtype == jnp.float32 for a in arrays) and kernel_serves(arrays[0].dtype)
+    fits = (k_cache.dtype == v_cache.dtype and q.dtype in (jnp.float32, k_cache.dtype)
+            and kernel_serves(k_cache.dtype))
     if backend is AttentionBackend.CPU_KERNEL and not fits:
-        raise ValueError("the CPU paged-attention kernel needs the CPU platform, float32 "
-                         "queries and cache, and a C++ compiler to build it")
+        raise ValueError("the CPU paged-attention kernel needs the CPU platform, a float32 "
+                         "cache (or bfloat16 on a CPU with native bfloat16), and a C++ "
+                         "compiler to build it")
     return fits
 
 
@@ -271,16 +275,17 @@ def write_and_attend(
     block_pages tunes the XLA path only (the kernel walks 16-key blocks).
     Rows past metadata.num_tokens are padding: their output is unspecified.
     """
-    if _use_kernel(backend, q, k, v, k_cache, v_cache):
+    if _use_kernel(backend, q, k_cache, v_cache):
         # The kernel walks the flat rows; tiles only help the XLA formulation.
         def kernel(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
                    k_cache: jax.Array, v_cache: jax.Array, *replicated: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
             positions, token_req, page_tables, num_tokens, *cos_sin = replicated
-            return paged_attention_kernel(
+            out, k_cache, v_cache = paged_attention_kernel(
                 q, k, v, slots, k_cache, v_cache, positions, token_req, page_tables,
                 num_tokens, scale=scale, sliding_window=sliding_window, chunk_size=chunk_size,
                 softcap=softcap, rope=(cos_sin[0], cos_sin[1]) if cos_sin else None)
+            return out.astype(q.dtype), k_cache, v_cache
 
         replicated = (metadata.positions, metadata.token_req, metadata.page_tables,
                       metadata.num_tokens, *(rope or ()))

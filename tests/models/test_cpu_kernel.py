@@ -127,10 +127,10 @@ def test_invalid_slots_and_pages_never_touch_memory_outside_the_pool() -> None:
 def test_explicit_kernel_backend_refuses_what_it_cannot_run() -> None:
     metadata = AttentionMetadata(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32),
                                  jnp.ones((1, 2), jnp.int32), jnp.int32(2))
-    cache = jnp.zeros((4, PAGE, KV_HEADS, DIM), jnp.bfloat16)
-    new = jnp.zeros((2, KV_HEADS, DIM), jnp.bfloat16)
-    with pytest.raises(ValueError, match="float32 queries and cache"):
-        write_and_attend(jnp.zeros((2, HEADS, DIM), jnp.bfloat16), new, new, cache, cache,
+    cache = jnp.zeros((4, PAGE, KV_HEADS, DIM), jnp.float16)  # no kernel serves float16
+    new = jnp.zeros((2, KV_HEADS, DIM), jnp.float16)
+    with pytest.raises(ValueError, match="float32 cache"):
+        write_and_attend(jnp.zeros((2, HEADS, DIM), jnp.float16), new, new, cache, cache,
                          jnp.zeros(2, jnp.int32), metadata, scale=1.0,
                          backend=AttentionBackend.CPU_KERNEL)
 

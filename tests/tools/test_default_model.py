@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
-from esurge.models import load_model
+from esurge.models import cpu_kernels, load_model
 from tests.models.paged import PagedSession, Row, hf_logits
 from tools.lm_data import HELDOUT_EVERY, HELDOUT_OFFSET
 from tools.tokenizer_training import stdlib_files
@@ -123,7 +123,12 @@ def test_heldout_perplexity_is_low(hf_model: Any, tokenizer: Tokenizer) -> None:
     assert math.exp(nll) < 300
 
 
-def test_auto_dtype_upcasts_the_bfloat16_checkpoint_on_cpu() -> None:
+def test_auto_dtype_of_the_bfloat16_checkpoint_on_cpu() -> None:
+    # Native bfloat16 where the CPU multiplies it (AVX512_BF16), else float32.
     loaded = load_model(MODEL_DIR, fuse=False)
-    assert loaded.dtype == "float32"
-    assert loaded.dtype_reason.startswith("bfloat16 checkpoint upcast")
+    if cpu_kernels.kernels_serve("bfloat16"):
+        assert loaded.dtype == "bfloat16"
+        assert loaded.dtype_reason.startswith("bfloat16 checkpoint; this CPU's native")
+    else:
+        assert loaded.dtype == "float32"
+        assert loaded.dtype_reason.startswith("bfloat16 checkpoint upcast")

@@ -83,7 +83,9 @@ def test_export_loads_in_transformers_with_our_logits(runs: dict[str, Any]) -> N
     model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    loaded = load_model(out, fuse=False)  # the training forward uses the HF module tree
+    # float32, as transformers computes here (auto would serve the bfloat16
+    # export natively on a CPU with AVX512_BF16); the HF module tree, as training uses.
+    loaded = load_model(out, "float32", fuse=False)
     got = np.asarray(train_logits(loaded.graphdef, loaded.params, jnp.asarray([ids])))[0]
     assert np.ptp(want) > 0.1
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -8,7 +8,9 @@ contiguous column panels (XLA's matmul walks an [in, out] weight with strides
 the prefetcher does not follow and repacks it on every call).
 `coded_matmul.cc` does the same for weights kept as a GGUF's integer codes,
 expanded to float32 in cache (through the same register tiles,
-`panel_tiles.h`). All share `parallel_for.h`. The shared library is compiled
+`panel_tiles.h`). `bf16_matmul.cc` multiplies bfloat16 panels with the CPU's
+own bfloat16 dot products (AMX tiles, AVX512_BF16), built where the CPU has
+them (`cpu_has_bf16_dot`). All share `parallel_for.h`. The shared library is compiled
 once per (sources, compiler, CPU) into a cache directory and its handlers
 registered as XLA FFI targets; `kernel_available()` is False, with one
 warning in the log, when that is impossible (no compiler, a failed build),
@@ -39,12 +41,17 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "BF16_CACHE_TARGET",
+    "BF16_TARGET",
     "CODED_TARGET",
     "MATMUL_TARGET",
     "PANEL",
     "TARGET",
+    "bf16_matmul_kernel",
     "coded_matmul_kernel",
+    "cpu_has_amx",
     "cpu_has_avx512",
+    "cpu_has_bf16_dot",
     "kernel_available",
     "kernels_serve",
     "packed_matmul_kernel",
@@ -54,11 +61,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TARGET = "esurge_paged_attention"
+BF16_CACHE_TARGET = "esurge_paged_attention_bf16"
 MATMUL_TARGET = "esurge_packed_matmul"
 CODED_TARGET = "esurge_coded_matmul"
+BF16_TARGET = "esurge_bf16_matmul"
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc")
+_SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc",
+            _HERE / "bf16_matmul.cc")
 _HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "panel_tiles.h",
             _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
@@ -78,13 +88,33 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def cpu_has_avx512() -> bool:
-    """True when this CPU runs AVX-512F (read from /proc/cpuinfo at run time)."""
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return any(line.startswith("flags") and " avx512f" in line for line in text.splitlines())
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def cpu_has_avx512() -> bool:
+    """True when this CPU runs AVX-512F (read from /proc/cpuinfo at run time)."""
+    return "avx512f" in _cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """True when this CPU has AMX bfloat16 tiles (the bfloat16 kernel uses them for
+    steps of 8 rows and more, where Linux grants the tile state)."""
+    return {"amx_bf16", "amx_tile"} <= _cpu_flags()
+
+
+def cpu_has_bf16_dot() -> bool:
+    """True when this CPU multiplies bfloat16 natively (AVX512_BF16's VDPBF16PS;
+    AMX-BF16 tiles are used on top where present). Read at run time; the
+    kernel build targets the same CPU (-march=native)."""
+    return "avx512_bf16" in _cpu_flags() and os.environ.get("ESURGE_BF16_KERNELS", "1") != "0"
 
 
 def _compiler_version(cxx: str) -> str:
@@ -144,9 +174,14 @@ def _load() -> bool:
         lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.EsurgePagedAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(BF16_CACHE_TARGET,
+                                    jax.ffi.pycapsule(lib.EsurgePagedAttentionBf16),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.EsurgePackedMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(CODED_TARGET, jax.ffi.pycapsule(lib.EsurgeCodedMatmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.EsurgeBf16Matmul),
                                     platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
@@ -166,18 +201,20 @@ def kernel_available() -> bool:
 
 def kernels_serve(dtype: jnp.dtype | str) -> bool:
     """True when arrays of this dtype on the default JAX platform can use the
-    kernels: XLA:CPU, float32, and the library built."""
-    return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-            and kernel_available())
+    kernels: XLA:CPU, the library built, and float32, or bfloat16 on a CPU
+    with native bfloat16 dot products."""
+    dtype = jnp.dtype(dtype)
+    served = dtype == jnp.float32 or (dtype == jnp.bfloat16 and cpu_has_bf16_dot())
+    return jax.default_backend() == "cpu" and served and kernel_available()
 
 
 def paged_attention_kernel(
-    q: jax.Array,  # [T, num_heads, head_dim] float32
-    k: jax.Array,  # [T, kv_heads, head_dim] float32: this step's keys
-    v: jax.Array,  # [T, kv_heads, head_dim] float32: this step's values
+    q: jax.Array,  # [T, num_heads, head_dim]
+    k: jax.Array,  # [T, kv_heads, head_dim]: this step's keys
+    v: jax.Array,  # [T, kv_heads, head_dim]: this step's values
     slot_mapping: jax.Array,  # [T] int32: page_id * page_size + offset
-    k_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim] float32
-    v_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim] float32
+    k_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim] float32 or bfloat16
+    v_cache: jax.Array,  # [num_pages, page_size, kv_heads, head_dim], k_cache's dtype
     positions: jax.Array,  # [T] int32
     token_req: jax.Array,  # [T] int32
     page_tables: jax.Array,  # [R, P] int32
@@ -189,21 +226,25 @@ def paged_attention_kernel(
     softcap: float | None,
     rope: tuple[jax.Array, jax.Array] | None = None,  # cos, sin [T, head_dim]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(attention [T, num_heads, head_dim], k_cache, v_cache) with k, v written first.
+    """(attention [T, num_heads, head_dim] float32, k_cache, v_cache) with k, v written first.
 
     Same result as (apply_rope to q and k when rope is given, then) write_kv
     followed by the pure-JAX paged attention (see the .cc file); the caches
-    are updated in place when the caller donates them.
+    are updated in place when the caller donates them. q, k and v are taken
+    in float32 whatever the cache's dtype; a bfloat16 cache stores them rounded.
     """
     if rope is None:
         cos = sin = jnp.zeros((1, q.shape[-1]), jnp.float32)  # unread
     else:
         cos, sin = (t.astype(jnp.float32) for t in rope)
-    cache = jax.ShapeDtypeStruct(k_cache.shape, jnp.float32)
-    call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), cache, cache),
+    cache = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    target = TARGET if k_cache.dtype == jnp.float32 else BF16_CACHE_TARGET
+    call = jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(q.shape, jnp.float32), cache, cache),
                             input_output_aliases={4: 1, 5: 2})
+    f32 = jnp.float32
     out, k_cache, v_cache = call(
-        q, k, v, slot_mapping.astype(jnp.int32), k_cache, v_cache,
+        q.astype(f32), k.astype(f32), v.astype(f32), slot_mapping.astype(jnp.int32), k_cache,
+        v_cache,
         positions.astype(jnp.int32), token_req.astype(jnp.int32),
         page_tables.astype(jnp.int32), jnp.asarray(num_tokens, jnp.int32), cos, sin,
         scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
@@ -224,6 +265,19 @@ def packed_matmul_kernel(
     out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows, silu_mul=silu_mul)
+
+
+def bf16_matmul_kernel(
+    x: jax.Array,  # [M, K] bfloat16, K even
+    w: jax.Array,  # [P, K, PANEL] bfloat16: panels with input rows paired (pack_weight)
+    out_features: int,
+    num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
+    silu_mul: bool = False,  # w interleaves gate/up half-panels; y = silu(gate) * up
+) -> jax.Array:  # [M, N] bfloat16
+    """x @ W in bfloat16 with float32 accumulation (see bf16_matmul.cc)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.bfloat16)
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    return jax.ffi.ffi_call(BF16_TARGET, out)(x, w, rows, silu_mul=silu_mul)
 
 
 def coded_matmul_kernel(

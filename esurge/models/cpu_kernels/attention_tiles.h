@@ -16,8 +16,10 @@ namespace esurge_attention {
 
 struct Problem {
   const float* q;             // [T, H, D]
-  const float* k;             // [NP, PS, KV, D]
+  const float* k;             // [NP, PS, KV, D] a float32 cache, or nullptr
   const float* v;             // [NP, PS, KV, D]
+  const uint16_t* k16;        // [NP, PS, KV, D] a bfloat16 cache, or nullptr
+  const uint16_t* v16;        // [NP, PS, KV, D]
   const float* cos;           // [T, D] RoPE tables, or nullptr: no rotation
   const float* sin;           // [T, D]
   const int32_t* positions;   // [T]
@@ -150,6 +152,7 @@ inline __attribute__((always_inline)) float SoftmaxBlock(
 
 struct Scratch {
   std::vector<float> kt;   // [D, kKeyBlock] the key block, transposed
+  std::vector<float> kf, vf;  // [kKeyBlock, D] a bfloat16 block's keys and values widened
   std::vector<float> acc;  // [kv heads, padded lanes, D]
   std::vector<float> m, l; // [kv heads, padded lanes] running max and denominator
   std::vector<float> qs;   // [kv heads, padded lanes, D] staged queries

@@ -21,6 +21,11 @@
 // scratch and the cache (as a separate XLA pass over q and k, the rotation cost
 // a decode step ~9% of its time).
 //
+// The cache is float32 (EsurgePagedAttention) or bfloat16
+// (EsurgePagedAttentionBf16): a bfloat16 cache stores each new key and value
+// rounded to nearest even, and each key block is widened to float32 as it is
+// read; queries, scores, softmax and the output stay float32.
+//
 // Attribute encoding at this boundary: sliding_window, chunk_size and softcap
 // are 0 when the layer has none (the Python wrapper maps None to 0).
 
@@ -28,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention_tiles.h"
@@ -39,6 +45,30 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace esurge_attention;  // NOLINT: the kernel's own arithmetic
+
+// d bfloat16 values widened to float32 into out (exact); returns out.
+const float* Widen(const uint16_t* in, int64_t d, float* out) {
+  for (int64_t e = 0; e < d; ++e) {
+    const uint32_t bits = static_cast<uint32_t>(in[e]) << 16;
+    std::memcpy(out + e, &bits, sizeof(float));
+  }
+  return out;
+}
+
+// A float32 rounded to bfloat16, to nearest even (NaN stays NaN).
+inline uint16_t RoundBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Cache element stores: float32 as is, bfloat16 rounded.
+inline void StoreRow(const float* in, int64_t n, float* out) { std::memcpy(out, in, 4 * n); }
+inline void StoreRow(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t e = 0; e < n; ++e) out[e] = RoundBf16(in[e]);
+}
 
 // Element offsets into the caches of keys [from, from + n) of kv head 0 (head
 // h is h * dim further): one division per block, then a walk along the page
@@ -108,6 +138,10 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h0, int64_t h
   const int64_t stride = (lanes + kMaxLaneTile - 1) / kMaxLaneTile * kMaxLaneTile;
   // kt is written whole before each use (only when transposing): no zeroing.
   w.kt.resize(static_cast<size_t>(d * kKeyBlock));
+  if (p.k16 != nullptr) {
+    w.kf.resize(static_cast<size_t>(d * kKeyBlock));
+    w.vf.resize(static_cast<size_t>(d * kKeyBlock));
+  }
   w.acc.assign(static_cast<size_t>(heads * stride * d), 0.f);
   w.m.assign(static_cast<size_t>(heads * stride), -INFINITY);
   w.l.assign(static_cast<size_t>(heads * stride), 0.f);
@@ -127,8 +161,13 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h0, int64_t h
     SlotOffsets(p, table, kb, nk, slots);
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t j = 0; j < nk; ++j) {
-        blk.keys[j] = p.k + slots[j] + h * d;
-        blk.values[j] = p.v + slots[j] + h * d;
+        if (p.k16 != nullptr) {
+          blk.keys[j] = Widen(p.k16 + slots[j] + h * d, d, w.kf.data() + j * d);
+          blk.values[j] = Widen(p.v16 + slots[j] + h * d, d, w.vf.data() + j * d);
+        } else {
+          blk.keys[j] = p.k + slots[j] + h * d;
+          blk.values[j] = p.v + slots[j] + h * d;
+        }
       }
       for (int64_t j = 0; transpose && j < kKeyBlock; ++j) {
         for (int64_t e = 0; e < d; ++e) w.kt[e * kKeyBlock + j] = j < nk ? blk.keys[j][e] : 0.f;
@@ -179,84 +218,103 @@ std::vector<int64_t> QueryBlocks(const Problem& p) {
 // Writes each row's new key (rotated when tables are given) and value into its
 // cache slot. The caches are aliased to the results (the jitted caller donates
 // them), so this updates them in place; XLA copies first where it cannot alias.
+template <typename T>
 void WriteKV(const ffi::Buffer<ffi::F32>& k_new, const ffi::Buffer<ffi::F32>& v_new,
-             const ffi::Buffer<ffi::S32>& slots, const ffi::Buffer<ffi::F32>& k_in,
-             const ffi::Buffer<ffi::F32>& v_in, const float* cos, const float* sin,
-             float* k_out, float* v_out) {
-  const int64_t cache_elems = static_cast<int64_t>(k_in.element_count());
-  if (k_out != k_in.typed_data()) std::memcpy(k_out, k_in.typed_data(), 4 * cache_elems);
-  if (v_out != v_in.typed_data()) std::memcpy(v_out, v_in.typed_data(), 4 * cache_elems);
+             const ffi::Buffer<ffi::S32>& slots, const T* k_in, const T* v_in,
+             int64_t cache_elems, const float* cos, const float* sin, T* k_out, T* v_out) {
+  if (k_out != k_in) std::memcpy(k_out, k_in, sizeof(T) * cache_elems);
+  if (v_out != v_in) std::memcpy(v_out, v_in, sizeof(T) * cache_elems);
   const auto nd = k_new.dimensions();
   const int64_t row = nd[1] * nd[2];  // kv_heads * head_dim
   const int64_t num_slots = cache_elems / row;
+  std::vector<float> rotated(static_cast<size_t>(nd[2]));
   for (int64_t t = 0; t < nd[0]; ++t) {
     const int64_t slot = slots.typed_data()[t];
     if (slot < 0 || slot >= num_slots) continue;
     const float* k = k_new.typed_data() + t * row;
     if (cos == nullptr) {
-      std::memcpy(k_out + slot * row, k, 4 * row);
+      StoreRow(k, row, k_out + slot * row);
     } else {
       for (int64_t h = 0; h < nd[1]; ++h) {
-        Rotate(k + h * nd[2], cos + t * nd[2], sin + t * nd[2], nd[2],
-               k_out + slot * row + h * nd[2]);
+        Rotate(k + h * nd[2], cos + t * nd[2], sin + t * nd[2], nd[2], rotated.data());
+        StoreRow(rotated.data(), nd[2], k_out + slot * row + h * nd[2]);
       }
     }
-    std::memcpy(v_out + slot * row, v_new.typed_data() + t * row, 4 * row);
+    StoreRow(v_new.typed_data() + t * row, row, v_out + slot * row);
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                              ffi::Buffer<ffi::S32> slot_mapping,
-                              ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                              ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> token_req,
-                              ffi::Buffer<ffi::S32> page_tables,
-                              ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::F32> cos,
-                              ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> out,
-                              ffi::ResultBuffer<ffi::F32> k_out,
-                              ffi::ResultBuffer<ffi::F32> v_out, float scale,
-                              int64_t sliding_window, int64_t chunk_size, float softcap,
-                              bool rotate) {
-  const auto qd = q.dimensions();
+// What one call needs besides the cache: the FFI arguments both cache types share.
+struct Call {
+  ffi::ThreadPool* pool;
+  const ffi::Buffer<ffi::F32>* q;
+  const ffi::Buffer<ffi::F32>* k_new;
+  const ffi::Buffer<ffi::F32>* v_new;
+  const ffi::Buffer<ffi::S32>* slot_mapping;
+  const ffi::Buffer<ffi::S32>* positions;
+  const ffi::Buffer<ffi::S32>* token_req;
+  const ffi::Buffer<ffi::S32>* page_tables;
+  const ffi::Buffer<ffi::S32>* num_tokens;
+  const ffi::Buffer<ffi::F32>* cos;
+  const ffi::Buffer<ffi::F32>* sin;
+  float* out;
+  float scale, softcap;
+  int64_t sliding_window, chunk_size;
+  bool rotate;
+};
+
+template <ffi::DataType D>
+using CacheBuffer = ffi::Buffer<D>;
+
+// The call over a cache of element type T (float or uint16_t bfloat16 bits).
+template <typename T, ffi::DataType D>
+ffi::Error Attend(const Call& c, const CacheBuffer<D>& k_cache, const CacheBuffer<D>& v_cache,
+                  T* k_out, T* v_out) {
+  const auto qd = c.q->dimensions();
   const auto kd = k_cache.dimensions();
-  const auto td = page_tables.dimensions();
-  const auto nd = k_new.dimensions();
+  const auto td = c.page_tables->dimensions();
+  const auto nd = c.k_new->dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || nd.size() != 3) {
     return ffi::Error::InvalidArgument("paged attention: unexpected ranks");
   }
   if (kd[3] != qd[2] || qd[1] % kd[2] != 0 || nd[0] != qd[0] || nd[1] != kd[2] ||
-      nd[2] != kd[3] || slot_mapping.element_count() != static_cast<size_t>(qd[0])) {
+      nd[2] != kd[3] || c.slot_mapping->element_count() != static_cast<size_t>(qd[0])) {
     return ffi::Error::InvalidArgument("paged attention: shapes do not match");
   }
   const size_t table = static_cast<size_t>(qd[0] * qd[2]);
-  if (rotate && (cos.element_count() != table || sin.element_count() != table || qd[2] % 2)) {
+  if (c.rotate &&
+      (c.cos->element_count() != table || c.sin->element_count() != table || qd[2] % 2)) {
     return ffi::Error::InvalidArgument("paged attention: RoPE tables must be [T, head_dim]");
   }
-  const float* cos_t = rotate ? cos.typed_data() : nullptr;
-  const float* sin_t = rotate ? sin.typed_data() : nullptr;
-  WriteKV(k_new, v_new, slot_mapping, k_cache, v_cache, cos_t, sin_t, k_out->typed_data(),
-          v_out->typed_data());
-  Problem p;
+  const float* cos_t = c.rotate ? c.cos->typed_data() : nullptr;
+  const float* sin_t = c.rotate ? c.sin->typed_data() : nullptr;
+  WriteKV<T>(*c.k_new, *c.v_new, *c.slot_mapping, reinterpret_cast<const T*>(k_cache.typed_data()),
+             reinterpret_cast<const T*>(v_cache.typed_data()),
+             static_cast<int64_t>(k_cache.element_count()), cos_t, sin_t, k_out, v_out);
+  Problem p{};
   p.cos = cos_t;
   p.sin = sin_t;
-  p.q = q.typed_data();
-  p.k = k_out->typed_data();
-  p.v = v_out->typed_data();
-  p.positions = positions.typed_data();
-  p.token_req = token_req.typed_data();
-  p.tables = page_tables.typed_data();
-  p.out = out->typed_data();
+  p.q = c.q->typed_data();
+  if constexpr (std::is_same_v<T, float>) {
+    p.k = k_out, p.v = v_out;
+  } else {
+    p.k16 = k_out, p.v16 = v_out;
+  }
+  p.positions = c.positions->typed_data();
+  p.token_req = c.token_req->typed_data();
+  p.tables = c.page_tables->typed_data();
+  p.out = c.out;
   p.heads = qd[1];
   p.dim = qd[2];
   p.num_pages = kd[0];
   p.page_size = kd[1];
   p.kv_heads = kd[2];
   p.max_pages = td[1];
-  p.num_tokens = std::min<int64_t>(num_tokens.typed_data()[0], qd[0]);
-  p.window = sliding_window;
-  p.chunk = chunk_size;
-  p.scale = scale;
-  p.softcap = softcap;
+  p.num_tokens = std::min<int64_t>(c.num_tokens->typed_data()[0], qd[0]);
+  p.window = c.sliding_window;
+  p.chunk = c.chunk_size;
+  p.scale = c.scale;
+  p.softcap = c.softcap;
   const int64_t rows = qd[0];
   // Rows past num_tokens only need zeroing, done here at once; the work items
   // are (query block, kv heads) pairs over the real rows.
@@ -264,40 +322,66 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int64_t blocks = static_cast<int64_t>(starts.size() - 1);
   // All kv heads of a block in one item (one run through its slots) unless
   // that leaves threads idle, e.g. a lone long decode row.
-  const int64_t heads_per_item = blocks >= 4 * pool.num_threads() ? p.kv_heads : 1;
+  const int64_t heads_per_item = blocks >= 4 * c.pool->num_threads() ? p.kv_heads : 1;
   const int64_t items = blocks * (p.kv_heads / heads_per_item);
   std::memset(p.out + p.num_tokens * p.heads * p.dim, 0,
               sizeof(float) * (rows - p.num_tokens) * p.heads * p.dim);
   // Items differ in cost (later causal blocks see more keys): cut finely.
-  esurge_kernels::ParallelFor(pool, items, 16,
+  esurge_kernels::ParallelFor(*c.pool, items, 16,
                               [&p, &starts, heads_per_item](int64_t begin, int64_t end) {
                                 AttendRange(p, starts, heads_per_item, begin, end);
                               });
   return ffi::Error::Success();
 }
 
+template <ffi::DataType D>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                              ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<D> k_cache,
+                              ffi::Buffer<D> v_cache, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> token_req, ffi::Buffer<ffi::S32> page_tables,
+                              ffi::Buffer<ffi::S32> num_tokens, ffi::Buffer<ffi::F32> cos,
+                              ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> out,
+                              ffi::ResultBuffer<D> k_out, ffi::ResultBuffer<D> v_out,
+                              float scale, int64_t sliding_window, int64_t chunk_size,
+                              float softcap, bool rotate) {
+  const Call c{&pool, &q, &k_new, &v_new, &slot_mapping, &positions, &token_req, &page_tables,
+               &num_tokens, &cos, &sin, out->typed_data(), scale, softcap, sliding_window,
+               chunk_size, rotate};
+  using T = std::conditional_t<D == ffi::DataType::F32, float, uint16_t>;
+  return Attend<T, D>(c, k_cache, v_cache, reinterpret_cast<T*>(k_out->typed_data()),
+                      reinterpret_cast<T*>(v_out->typed_data()));
+}
+
+template <ffi::DataType D>
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .template Ctx<ffi::ThreadPool>()
+      .template Arg<ffi::Buffer<ffi::F32>>()  // q
+      .template Arg<ffi::Buffer<ffi::F32>>()  // k_new
+      .template Arg<ffi::Buffer<ffi::F32>>()  // v_new
+      .template Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
+      .template Arg<ffi::Buffer<D>>()         // k_cache
+      .template Arg<ffi::Buffer<D>>()         // v_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()  // positions
+      .template Arg<ffi::Buffer<ffi::S32>>()  // token_req
+      .template Arg<ffi::Buffer<ffi::S32>>()  // page_tables
+      .template Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
+      .template Arg<ffi::Buffer<ffi::F32>>()  // cos
+      .template Arg<ffi::Buffer<ffi::F32>>()  // sin
+      .template Ret<ffi::Buffer<ffi::F32>>()  // out
+      .template Ret<ffi::Buffer<D>>()         // k_cache, aliased
+      .template Ret<ffi::Buffer<D>>()         // v_cache, aliased
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("sliding_window")
+      .template Attr<int64_t>("chunk_size")
+      .template Attr<float>("softcap")
+      .template Attr<bool>("rotate");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgePagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // slot_mapping
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_cache
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // token_req
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_tokens
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // cos
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // sin
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_cache, aliased
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // v_cache, aliased
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<int64_t>("chunk_size")
-                                  .Attr<float>("softcap")
-                                  .Attr<bool>("rotate"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgePagedAttention, PagedAttentionImpl<ffi::DataType::F32>,
+                              Binding<ffi::DataType::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgePagedAttentionBf16, PagedAttentionImpl<ffi::DataType::BF16>,
+                              Binding<ffi::DataType::BF16>());

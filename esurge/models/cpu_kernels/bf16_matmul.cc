@@ -1,0 +1,317 @@
+// y = x W for XLA:CPU in bfloat16, W packed in column panels as in
+// packed_matmul.cc, with each panel's input rows interleaved in pairs: the
+// panel [K, 32] is stored as [K / 2, 32, 2], element (k, c) at
+// ((k / 2) * 32 + c) * 2 + k % 2 (esurge/models/packed_linear.py packs it).
+// That is the operand layout both of the CPU's bfloat16 dot products take:
+//
+// - AMX (TDPBF16PS, Sapphire Rapids and later): 16x16 float32 tiles of
+//   results, each instruction 16 x 16 x 32 multiply-adds. Measured on a
+//   2-core Xeon VM: about 12x the float32 FMA rate of one core, so prefill
+//   steps, which are bound by arithmetic, run on it.
+// - AVX512_BF16 (VDPBF16PS): 16 lanes of pair dot products per instruction.
+//   On the same Xeon it issues at half the rate of FMA, so it gives float32's
+//   arithmetic rate on half the bytes: decode steps (bound by streaming the
+//   weights) take it, and so does any K AMX's 32-wide tiles do not divide.
+//
+// Both multiply bfloat16 by bfloat16 exactly and accumulate in float32 (with
+// denormal inputs and results flushed to zero, as the instructions do); the
+// result is rounded to bfloat16 once, to nearest even. Rows at or past
+// num_rows are padding: zero out, no work. With silu_mul, each panel holds 16
+// gate columns then the matching 16 up columns, and y gets silu(gate) * up
+// (as in packed_matmul.cc).
+//
+// Contract: x [M, K] bf16 (K even), w [P, K, 32] bf16 interleaved as above,
+// num_rows [] int32, y [M, N] bf16. Built only where the compiler targets
+// AVX512_BF16 (-march=native on such a CPU); elsewhere the handler reports
+// an error, and esurge/models/cpu_kernels/__init__.py never calls it.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+
+#include "fast_exp.h"
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ESURGE_HAVE_AMX 1
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512BF16__)
+
+constexpr int kPanel = 32;    // output columns per panel (packed_linear.PANEL)
+constexpr int kHalf = 16;     // a result vector's columns: half a panel
+constexpr int kRowTile = 8;   // rows per AVX512_BF16 register tile
+constexpr int64_t kRowChunk = 256;
+constexpr int kPrefetchPairs = 8;
+
+struct Problem {
+  const uint16_t* x;  // [M, K]
+  const uint16_t* w;  // [P, K / 2, 64]
+  uint16_t* y;        // [M, N]
+  int64_t padded_m;   // M: the rows x has (reads never pass them)
+  int64_t m, k, n;    // m: the real rows
+  bool silu_mul;
+};
+
+// 16 float32 results rounded to bfloat16 (to nearest even), then stored.
+inline void StoreBf16(const float* in, uint16_t* out, int64_t width) {
+  const __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(in));
+  if (width == kHalf) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)packed);
+    return;
+  }
+  uint16_t lanes[kHalf];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), (__m256i)packed);
+  std::memcpy(out, lanes, sizeof(uint16_t) * width);
+}
+
+// One row of a panel's results (gate then up halves with silu_mul) into y.
+inline void StoreRow(const Problem& pb, int64_t row, int64_t p, const float* first,
+                     const float* second) {
+  if (pb.silu_mul) {
+    const int64_t col = p * kHalf;
+    float act[kHalf];
+    for (int j = 0; j < kHalf; ++j) {
+      const float g = first[j];
+      const float e = esurge_kernels::ExpNonPositive(-std::fabs(g));
+      const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+      act[j] = g * sigmoid * second[j];
+    }
+    StoreBf16(act, pb.y + row * pb.n + col, std::min<int64_t>(kHalf, pb.n - col));
+    return;
+  }
+  const int64_t col = p * kPanel;
+  uint16_t* out = pb.y + row * pb.n + col;
+  StoreBf16(first, out, std::clamp<int64_t>(pb.n - col, 0, kHalf));
+  if (pb.n - col > kHalf) StoreBf16(second, out + kHalf, std::min<int64_t>(kHalf, pb.n - col - kHalf));
+}
+
+// MR rows x one panel with VDPBF16PS: per input pair, the panel's two vectors
+// of 16 column pairs, and each row's pair broadcast.
+template <int MR>
+void DotTile(const Problem& pb, int64_t r0, int64_t p, bool prefetch) {
+  const uint16_t* panel = pb.w + p * pb.k * kPanel;
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = pb.k / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const uint16_t* row = panel + j * 2 * kPanel;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(row);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(row + kPanel);
+    if (prefetch) {
+      __builtin_prefetch(row + kPrefetchPairs * 2 * kPanel);
+      __builtin_prefetch(row + kPrefetchPairs * 2 * kPanel + kPanel);
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, pb.x + (r0 + r) * pb.k + 2 * j, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float first[kHalf], second[kHalf];
+    _mm512_storeu_ps(first, acc[r][0]);
+    _mm512_storeu_ps(second, acc[r][1]);
+    StoreRow(pb, r0 + r, p, first, second);
+  }
+}
+
+void DotTail(const Problem& pb, int64_t r0, int64_t p, bool prefetch, int rows) {
+  switch (rows) {
+    case 1: return DotTile<1>(pb, r0, p, prefetch);
+    case 2: return DotTile<2>(pb, r0, p, prefetch);
+    case 3: return DotTile<3>(pb, r0, p, prefetch);
+    case 4: return DotTile<4>(pb, r0, p, prefetch);
+    case 5: return DotTile<5>(pb, r0, p, prefetch);
+    case 6: return DotTile<6>(pb, r0, p, prefetch);
+    case 7: return DotTile<7>(pb, r0, p, prefetch);
+    default: return;
+  }
+}
+
+void DotItems(const Problem& pb, int64_t num_panels, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
+    const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
+    int64_t r = r0;
+    for (; r + kRowTile <= r1; r += kRowTile) DotTile<kRowTile>(pb, r, p, r == r0);
+    if (r < r1) DotTail(pb, r, p, r == r0, static_cast<int>(r1 - r));
+  }
+}
+
+#if defined(ESURGE_HAVE_AMX)
+
+constexpr int kTileRows = 16;  // rows of an A tile and of a result tile
+constexpr int kTileK = 32;     // inputs per A tile row (64 bytes of bfloat16)
+
+// Linux hands out AMX's tile data state only on request, once per process.
+bool AmxPermitted() {
+  static std::once_flag once;
+  static bool permitted = false;
+  std::call_once(once, [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    permitted = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  });
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: results (row block a/b x panel half 0/1); 4, 5: x rows of the
+// two row blocks; 6, 7: the panel halves. Every tile is 16 rows of 64 bytes.
+// The configuration is per thread and other code on XLA's threads may load
+// its own, so each run of items loads ours first.
+void ConfigureTiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
+  _tile_loadconfig(&config);
+}
+
+// x rows [r0, r0 + 16) as a tile source: x itself where all 16 rows lie
+// inside it, else a zero-padded copy.
+const uint16_t* TileRows(const Problem& pb, int64_t r0, uint16_t* staged) {
+  if (r0 + kTileRows <= pb.padded_m) return pb.x + r0 * pb.k;
+  const int64_t have = std::max<int64_t>(0, pb.padded_m - r0);
+  std::memset(staged, 0, sizeof(uint16_t) * kTileRows * pb.k);
+  std::memcpy(staged, pb.x + r0 * pb.k, sizeof(uint16_t) * have * pb.k);
+  return staged;
+}
+
+// Rows [r0, r0 + 16 * blocks) (blocks 1 or 2) x one panel on AMX.
+void AmxBlock(const Problem& pb, int64_t r0, int blocks, int64_t p, uint16_t* staged) {
+  const uint16_t* panel = pb.w + p * pb.k * kPanel;
+  const uint16_t* a0 = TileRows(pb, r0, staged);
+  const uint16_t* a1 = blocks == 2 ? TileRows(pb, r0 + kTileRows, staged + kTileRows * pb.k)
+                                   : nullptr;
+  const int64_t x_stride = pb.k * sizeof(uint16_t), w_stride = 2 * kPanel * sizeof(uint16_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < pb.k; k0 += kTileK) {
+    const uint16_t* pairs = panel + (k0 / 2) * 2 * kPanel;  // 16 pair rows of the panel
+    _tile_loadd(6, pairs, w_stride);
+    _tile_loadd(7, pairs + kPanel, w_stride);
+    _tile_loadd(4, a0 + k0, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (a1 != nullptr) {
+      _tile_loadd(5, a1 + k0, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[4][kTileRows][kHalf];
+  _tile_stored(0, c[0], kHalf * sizeof(float));
+  _tile_stored(1, c[1], kHalf * sizeof(float));
+  if (a1 != nullptr) {
+    _tile_stored(2, c[2], kHalf * sizeof(float));
+    _tile_stored(3, c[3], kHalf * sizeof(float));
+  }
+  for (int b = 0; b < blocks; ++b) {
+    for (int i = 0; i < kTileRows; ++i) {
+      const int64_t row = r0 + b * kTileRows + i;
+      if (row >= pb.m) return;
+      StoreRow(pb, row, p, c[2 * b][i], c[2 * b + 1][i]);
+    }
+  }
+}
+
+void AmxItems(const Problem& pb, int64_t num_panels, int64_t begin, int64_t end) {
+  ConfigureTiles();
+  uint16_t* staged = new uint16_t[2 * kTileRows * pb.k];
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
+    const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
+    for (int64_t r = r0; r < r1; r += 2 * kTileRows) {
+      AmxBlock(pb, r, r + kTileRows < r1 ? 2 : 1, p, staged);
+    }
+  }
+  delete[] staged;
+  _tile_release();
+}
+
+// Rows from which a step takes the tiles: below it the few rows would leave
+// most of each 16-row tile idle, and streaming the weights decides the time.
+constexpr int64_t kAmxMinRows = 8;
+
+bool UseAmx(const Problem& pb) {
+  return pb.m >= kAmxMinRows && pb.k % kTileK == 0 && AmxPermitted();
+}
+
+#else
+
+bool UseAmx(const Problem&) { return false; }
+void AmxItems(const Problem&, int64_t, int64_t, int64_t) {}
+
+#endif  // ESURGE_HAVE_AMX
+
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> num_rows,
+                          ffi::ResultBuffer<ffi::BF16> y, bool silu_mul) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
+    return ffi::Error::InvalidArgument("bf16 matmul: expected x [M, K], w [P, K, 32], y [M, N]");
+  }
+  const int64_t per_panel = silu_mul ? kHalf : kPanel;
+  if (wd[2] != kPanel || wd[1] != xd[1] || xd[1] % 2 || yd[0] != xd[0] ||
+      yd[1] > wd[0] * per_panel || yd[1] <= (wd[0] - 1) * per_panel) {
+    return ffi::Error::InvalidArgument("bf16 matmul: shapes do not match");
+  }
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], rows, xd[1], yd[1],
+                   silu_mul};
+  std::memset(pb.y + rows * pb.n, 0, sizeof(uint16_t) * (xd[0] - rows) * pb.n);
+  const int64_t num_panels = wd[0];
+  const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
+  const bool amx = UseAmx(pb);
+  esurge_kernels::ParallelFor(pool, items, 4, [&pb, num_panels, amx](int64_t begin,
+                                                                     int64_t end) {
+    if (amx) {
+      AmxItems(pb, num_panels, begin, end);
+    } else {
+      DotItems(pb, num_panels, begin, end);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+#else  // no AVX512_BF16 in this build
+
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
+                          ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::BF16>, bool) {
+  return ffi::Error::Internal("bf16 matmul: this build has no AVX512_BF16");
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeBf16Matmul, Bf16MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed in pairs
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // y
+                                  .Attr<bool>("silu_mul"));

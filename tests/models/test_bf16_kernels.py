@@ -1,0 +1,221 @@
+"""bfloat16 on the CPU's own bfloat16 dot products (cpu_kernels/bf16_matmul.cc,
+and the paged-attention kernel over a bfloat16 cache).
+
+Tolerances: the kernels multiply bfloat16 values exactly and accumulate in
+float32, then round once to bfloat16, so a matmul is within half a bfloat16
+unit (2^-8 relative) of the float32 product of the same bfloat16 values, plus
+float32 accumulation noise. A whole model also rounds its activations to
+bfloat16 between layers (as transformers does in bfloat16), so its logits are
+compared with the float32 computation on the same bfloat16 weights within 5%
+of the logits' range, and its greedy tokens must equal float32's except where
+float32's own top two logits are closer than that (a near-tie).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from esurge.models import cpu_kernels, load_model, packed_linear
+from esurge.models.packed_linear import pack_gate_up, pack_weight, packed_matmul, packed_silu_mul
+from esurge.models.paged_attention import AttentionBackend, AttentionMetadata, write_and_attend
+from tests.models.checkpoints import build_model, hf_config, save_checkpoint
+from tests.models.conftest import FAMILIES
+from tests.models.paged import PagedSession, Row, greedy_generate
+from tests.models.test_paged_attention import (
+    DIM,
+    KV_HEADS,
+    build_case,
+    dense_reference,
+    fill_cache,
+)
+
+native = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or not cpu_kernels.cpu_has_bf16_dot(),
+    reason="this CPU has no AVX512_BF16: bfloat16 checkpoints are served in float32 here "
+           "(test_auto_dtype_without_native_bfloat16_is_float32 covers that)")
+
+# Within half a bfloat16 unit of the float32 result, plus accumulation noise.
+HALF_UNIT = 2.0 ** -8
+LOGIT_RANGE_FRACTION = 0.05
+
+
+def _bf16(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def _assert_rounded_from(got: jax.Array, want: np.ndarray, noise: float) -> None:
+    """got (bfloat16) is want (float32) rounded once, give or take noise."""
+    got32 = np.asarray(got.astype(jnp.float32))
+    bound = HALF_UNIT * np.abs(want) + noise
+    worst = float(np.max(np.abs(got32 - want) - bound))
+    assert worst <= 0, f"off by {worst} beyond half a bfloat16 unit"
+
+
+# (rows in the bucket, real rows, K, N): few rows (AVX512_BF16 tiles), 8 and
+# more (AMX where present), a K that AMX's 32-wide tiles do not divide, and N
+# that leaves a partial last panel.
+SHAPES = [(1, 1, 64, 40), (16, 3, 576, 1536), (16, 16, 576, 1536), (37, 37, 96, 100),
+          (300, 261, 256, 700), (64, 50, 40, 70)]
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize(("m", "rows", "k", "n"), SHAPES)
+def test_matmul_is_the_float32_product_rounded_once(m: int, rows: int, k: int, n: int) -> None:
+    rng = np.random.default_rng(m + k + n)
+    x, w = _bf16(rng, m, k), _bf16(rng, k, n, scale=k ** -0.5)
+    want = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
+    noise = 1e-5 * float(np.abs(np.asarray(x, np.float32)).max()) * k ** 0.5
+    got = jax.jit(lambda a, b, r: packed_matmul(a, b, n, r))(x, pack_weight(w), jnp.int32(rows))
+    assert got.dtype == jnp.bfloat16
+    _assert_rounded_from(got[:rows], want[:rows], noise)
+    assert np.all(np.asarray(got[rows:].astype(jnp.float32)) == 0)  # padding rows: zeros
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize(("m", "rows", "k", "n"), SHAPES)
+def test_gated_matmul_applies_silu_to_the_float32_accumulators(m: int, rows: int, k: int,
+                                                               n: int) -> None:
+    rng = np.random.default_rng(7 * m + k)
+    x, w = _bf16(rng, m, k), _bf16(rng, k, 2 * n, scale=k ** -0.5)
+    both = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
+    want = np.asarray(jax.nn.silu(both[:, :n]) * both[:, n:])
+    got = jax.jit(lambda a, b, r: packed_silu_mul(a, b, n, r))(x, pack_gate_up(w, n),
+                                                              jnp.int32(rows))
+    _assert_rounded_from(got[:rows], want[:rows], 1e-4)
+    assert np.all(np.asarray(got[rows:].astype(jnp.float32)) == 0)
+
+
+def test_bfloat16_panels_pair_their_input_rows_and_the_xla_path_undoes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The layout is the same on every machine; only the kernel needs the CPU.
+    rng = np.random.default_rng(3)
+    w = _bf16(rng, 6, 33)
+    packed = np.asarray(pack_weight(w).astype(jnp.float32))  # [2, 6, 32]
+    plain = np.asarray(pack_weight(w.astype(jnp.float32)))
+    np.testing.assert_array_equal(packed[:, :2].reshape(2, -1),
+                                  np.stack([plain[:, 0], plain[:, 1]], -1).reshape(2, -1))
+    monkeypatch.setattr(packed_linear, "kernels_serve", lambda dtype: False)
+    x = _bf16(rng, 4, 6)
+    want = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
+    _assert_rounded_from(packed_matmul(x, pack_weight(w), 33), want, 1e-5)
+    with pytest.raises(ValueError, match="even input width"):
+        pack_weight(_bf16(rng, 5, 8))
+
+
+def _attend(backend: AttentionBackend, case: dict, k_cache: jax.Array, v_cache: jax.Array,
+            new: tuple[np.ndarray, np.ndarray], slots: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    metadata = AttentionMetadata(jnp.asarray(case["positions"]), jnp.asarray(case["token_req"]),
+                                 jnp.asarray(case["tables"]), jnp.asarray(case["num_tokens"]))
+    step = jax.jit(functools.partial(write_and_attend, scale=DIM ** -0.5, backend=backend),
+                   donate_argnums=(3, 4))
+    out, k_new, v_new = step(jnp.asarray(case["q"]), jnp.asarray(new[0]), jnp.asarray(new[1]),
+                             k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16),
+                             jnp.asarray(slots), metadata)
+    return (np.asarray(out), np.asarray(k_new.astype(jnp.float32)),
+            np.asarray(v_new.astype(jnp.float32)))
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+def test_attention_over_a_bfloat16_cache_matches_the_xla_path() -> None:
+    case, keys, values = build_case(seed=21)
+    rng = np.random.default_rng(4)
+    t, num = case["q"].shape[0], int(case["num_tokens"])
+    new = (rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32),
+           rng.standard_normal((t, KV_HEADS, DIM)).astype(np.float32))
+    slots = np.zeros(t, np.int32)
+    for row in range(num):
+        r, pos = case["token_req"][row], case["positions"][row]
+        slots[row] = case["tables"][r][pos // 4] * 4 + pos % 4
+    kern = _attend(AttentionBackend.CPU_KERNEL, case, *fill_cache(case, keys, values), new, slots)
+    xla = _attend(AttentionBackend.XLA, case, *fill_cache(case, keys, values), new, slots)
+    # Both store the new keys rounded to bfloat16 (nearest even): the same bits.
+    np.testing.assert_array_equal(kern[1], xla[1])
+    np.testing.assert_array_equal(kern[2], xla[2])
+    # Softmax and the weighted sum run in float32 on the widened cache: dense
+    # float32 attention over the bfloat16-rounded keys and values. (The XLA
+    # path rounds the probabilities to the cache dtype before the weighted sum,
+    # so it is only within ~2^-9 of this.)
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))
+
+    for row in range(num):
+        r, pos = case["token_req"][row], case["positions"][row]
+        keys[r][pos], values[r][pos] = new[0][row], new[1][row]
+    for row in range(num):
+        r, pos = case["token_req"][row], case["positions"][row]
+        want = dense_reference(case["q"][row], rounded(keys[r]), rounded(values[r]), pos,
+                               None, None, None)
+        np.testing.assert_allclose(kern[0][row], want, atol=2e-5, err_msg=f"row {row}")
+    np.testing.assert_allclose(kern[0][:num], xla[0][:num], atol=HALF_UNIT)
+    assert np.all(kern[0][num:] == 0.0)
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            model = build_model(hf_config(family), seed=1).to(torch.bfloat16)
+            made[family] = save_checkpoint(model, tmp_path_factory.mktemp(f"bf16-{family}"))
+        return made[family]
+
+    return make
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_in_bfloat16_follows_float32_on_the_same_weights(
+        family: str, bf16_checkpoints: Callable[[str], Path]) -> None:
+    path = bf16_checkpoints(family)
+    ours = load_model(path)  # auto: native bfloat16 on this CPU
+    reference = load_model(path, "float32")  # the same bfloat16 values, upcast
+    assert ours.dtype == "bfloat16" and ours.config.packed_weights
+    assert reference.dtype == "float32"
+    ids = [int(t) for t in np.random.default_rng(2).integers(3, 250, 17)]
+    got, want = (PagedSession(m).step([Row("r", ids, 0, len(ids))])[0] for m in (ours, reference))
+    spread = float(want.max() - want.min())
+    np.testing.assert_allclose(got, want, atol=LOGIT_RANGE_FRACTION * spread)
+
+    prompts = [ids[:9], ids[4:17], ids[2:6]]
+    tokens = greedy_generate(PagedSession(ours), prompts, 12)
+    expected = greedy_generate(PagedSession(reference), prompts, 12)
+    for prompt, mine, theirs in zip(prompts, tokens, expected, strict=True):
+        if mine == theirs:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b)
+        logits = PagedSession(reference).step(
+            [Row("t", prompt + theirs[:at], 0, len(prompt) + at)])[0][-1]
+        margin = float(logits[theirs[at]] - logits[mine[at]])
+        assert margin <= LOGIT_RANGE_FRACTION * spread, (
+            f"token {at} differs ({mine[at]} vs {theirs[at]}) though float32 prefers "
+            f"{theirs[at]} by {margin:.3f}, not a near-tie")
+
+
+@native
+def test_auto_dtype_serves_bfloat16_natively_and_says_why(
+        bf16_checkpoints: Callable[[str], Path]) -> None:
+    loaded = load_model(bf16_checkpoints("llama"), fuse=False)
+    assert loaded.dtype == "bfloat16"
+    assert loaded.dtype_reason.startswith("bfloat16 checkpoint; this CPU's native bfloat16")
+
+
+def test_auto_dtype_without_native_bfloat16_is_float32(
+        monkeypatch: pytest.MonkeyPatch, bf16_checkpoints: Callable[[str], Path]) -> None:
+    monkeypatch.setenv("ESURGE_BF16_KERNELS", "0")  # as on a CPU without AVX512_BF16
+    loaded = load_model(bf16_checkpoints("llama"), fuse=False)
+    assert loaded.dtype == "float32"
+    assert loaded.dtype_reason.startswith("bfloat16 checkpoint upcast")
