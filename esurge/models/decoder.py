@@ -92,7 +92,7 @@ class CausalLM(nnx.Module):
             self.lm_head: AnyLinear | None = CodedLinear(
                 config.hidden_size, config.padded_vocab_size, bits=head_bits, bias=False,
                 dtype=dtype, dual=config.dual_layout and not config.tie_word_embeddings)
-        elif config.tie_word_embeddings:
+        elif config.tie_word_embeddings and not config.packed_tied_head:
             self.lm_head = None
         else:
             self.lm_head = serving_linear(config, config.hidden_size, config.padded_vocab_size,

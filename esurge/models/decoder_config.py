@@ -133,6 +133,10 @@ class DecoderConfig:
     coded_weights: on top of packing, the projections (by role, see
         CODED_ROLES) whose panels hold a GGUF's integer codes of that many
         bits instead of float32 (esurge.models.coded_linear); one device only.
+    packed_tied_head: on top of packing, a tied LM head also gets panels of
+        its own (a packed copy of the embedding). Chosen at load for bfloat16,
+        whose kernel multiplies the head at AMX/AVX512_BF16 rates where XLA's
+        CPU bfloat16 matmul crawls; one device, no dual layout.
     """
 
     vocab_size: int
@@ -160,6 +164,7 @@ class DecoderConfig:
     dual_layout: bool = False
     tensor_parallel: int = 1
     coded_weights: tuple[tuple[str, int], ...] = ()
+    packed_tied_head: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads",
@@ -190,6 +195,11 @@ class DecoderConfig:
         if self.dual_layout and not self.packed_weights:
             raise ValueError("dual_layout=True needs packed_weights=True")
         self._check_coded_weights()
+        if self.packed_tied_head and not (
+                self.packed_weights and self.tie_word_embeddings and not self.dual_layout
+                and self.tensor_parallel == 1 and self.code_bits("lm_head") is None):
+            raise ValueError("packed_tied_head needs packed weights, tied embeddings, one "
+                             "device, no dual layout and no coded LM head")
 
     def _check_coded_weights(self) -> None:
         object.__setattr__(self, "coded_weights", tuple(map(tuple, self.coded_weights)))

@@ -156,11 +156,16 @@ def pack_lm_head(config: DecoderConfig, lm_head: dict[str, Any]) -> dict[str, An
                    shards=config.tensor_parallel)
 
 
-def packed_config(config: DecoderConfig, dual: bool) -> DecoderConfig:
-    """The fused config with packed weights (dual: plain weights kept too)."""
+def packed_config(config: DecoderConfig, dual: bool,
+                  dtype: jnp.dtype = jnp.float32) -> DecoderConfig:
+    """The fused config with packed weights (dual: plain weights kept too; a
+    tied head gets panels of its own in bfloat16 on one device)."""
     if not config.fused_projections:
         raise ValueError("packed weights need the fused layout")
-    return dataclasses.replace(config, packed_weights=True, dual_layout=dual)
+    tied_head = (jnp.dtype(dtype) == jnp.bfloat16 and config.tie_word_embeddings and not dual
+                 and config.tensor_parallel == 1)
+    return dataclasses.replace(config, packed_weights=True, dual_layout=dual,
+                               packed_tied_head=tied_head)
 
 
 def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
@@ -173,9 +178,10 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
         config, state = fuse_projections(config, state, dtype)
     if config.packed_weights:
         return config, state
-    packed = packed_config(config, dual)
+    packed = packed_config(config, dual, dtype)
     if coded is not None and coded.bits:
-        packed = dataclasses.replace(packed, coded_weights=coded.coded_weights)
+        packed = dataclasses.replace(packed, coded_weights=coded.coded_weights,
+                                     packed_tied_head=False)
     model = dict(state.params["model"])
     model["layers"] = {i: pack_layer(packed, layer, coded.layers[int(i)] if coded else None)
                        for i, layer in model["layers"].items()}
@@ -186,6 +192,8 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
                                    dual=packed.dual_layout and not packed.tie_word_embeddings)
     elif params.get("lm_head") is not None:
         params["lm_head"] = pack_lm_head(packed, params["lm_head"])
+    elif packed.packed_tied_head:
+        params["lm_head"] = pack_lm_head(packed, {"weight": model["embed_tokens"]["weight"]})
     return packed, state_for(packed, params, dtype)
 
 

@@ -184,6 +184,8 @@ def test_every_family_in_bfloat16_follows_float32_on_the_same_weights(
     ours = load_model(path)  # auto: native bfloat16 on this CPU
     reference = load_model(path, "float32")  # the same bfloat16 values, upcast
     assert ours.dtype == "bfloat16" and ours.config.packed_weights
+    # A tied head (qwen2 here) gets bfloat16 panels of its own.
+    assert ours.config.packed_tied_head == ours.config.tie_word_embeddings
     assert reference.dtype == "float32"
     ids = [int(t) for t in np.random.default_rng(2).integers(3, 250, 17)]
     got, want = (PagedSession(m).step([Row("r", ids, 0, len(ids))])[0] for m in (ours, reference))
