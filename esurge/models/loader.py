@@ -128,9 +128,10 @@ def resolve_dtype(requested: str, source: CheckpointSource, hf_config: Any) -> t
         if stored == "bfloat16" and kernels_serve(jnp.bfloat16):
             return "bfloat16", ("bfloat16 checkpoint; this CPU's native bfloat16 dot products "
                                 "serve it (AVX512_BF16" + (", AMX)" if cpu_has_amx() else ")"))
-        return "float32", (f"{stored} checkpoint upcast: the CPU kernels run float32 here "
-                           "(no native bfloat16 path for it on this CPU), which is faster "
-                           "than XLA's CPU bfloat16")
+        why = ("this CPU has no native bfloat16 dot product" if stored == "bfloat16"
+               else "the CPU kernels serve it in float32")
+        return "float32", (f"{stored} checkpoint upcast: {why}, and float32 there is "
+                           "faster than XLA's CPU bfloat16")
     if stored == "float32":
         return "float32", f"float32 checkpoint on {backend}"
     return "bfloat16", f"{stored} checkpoint on {backend}"
