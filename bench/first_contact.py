@@ -2,13 +2,15 @@
 restarts), then time to first token and decode speed of short chats over gRPC.
 
     .venv/bin/python bench/first_contact.py [--restarts 2] [--model smollm2-135m-instruct]
+        [--extra '--max-model-len 512']
 
 Each start is `python -m service` with the Makefile's own SERVE_FLAGS, in its
 own process, timed from launch until the health check answers SERVING. The
 first start gets empty compile and kernel caches (a cold start; the model file
 is fetched beforehand and timed apart), the restarts reuse them. After the
 last start, the 8 questions of bench/default_model.py are asked one at a time
-(greedy, 64 tokens, the chat template applied by the server); time to first
+(greedy, 64 tokens, the chat template applied by the server; as plain text
+for a model without one); time to first
 token is from sending the request to the first streamed token, decode speed
 is the remaining tokens over the remaining time. Medians are reported.
 """
@@ -39,7 +41,7 @@ def serve_flags() -> list[str]:
     return done.stdout.split()
 
 
-def start_server(model: str, port: int, env: dict[str, str], log: Path
+def start_server(model: str, port: int, env: dict[str, str], log: Path, extra: list[str]
                  ) -> tuple[subprocess.Popen[bytes], float]:
     """A server process and its seconds from launch to SERVING."""
     from service.client import EngineClient
@@ -47,7 +49,7 @@ def start_server(model: str, port: int, env: dict[str, str], log: Path
     start = time.perf_counter()
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "service", "--model", model, "--port",
-                                 str(port), *serve_flags()], cwd=ROOT, env=env, stdout=out,
+                                 str(port), *serve_flags(), *extra], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     with EngineClient(f"127.0.0.1:{port}") as client:
         while time.perf_counter() - start < 600:
@@ -80,8 +82,10 @@ def chats(port: int, new_tokens: int) -> tuple[list[float], list[float], list[st
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     ttfts, rates, replies = [], [], []
     with EngineClient(f"127.0.0.1:{port}") as client:
+        chat = client.model_info().supported_options.has_chat_template
         for question in ["Hello!", *QUESTIONS]:  # the first one warms the connection
-            prompt = ChatPrompt.of([{"role": "user", "content": question}])
+            prompt: ChatPrompt | str = (ChatPrompt.of([{"role": "user", "content": question}])
+                                        if chat else question)
             sent = time.perf_counter()
             first = last = None
             tokens, text = 0, []
@@ -106,6 +110,8 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=2)
     parser.add_argument("--port", type=int, default=50391)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--extra", default="",
+                        help="flags after SERVE_FLAGS, e.g. '--max-model-len 512'")
     args = parser.parse_args()
     from esurge.packaged import resolve_model_path
 
@@ -118,7 +124,8 @@ def main() -> None:
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     starts = []
     for i in range(1 + args.restarts):
-        proc, seconds = start_server(model, args.port, env, work / f"serve{i}.log")
+        proc, seconds = start_server(model, args.port, env, work / f"serve{i}.log",
+                                     args.extra.split())
         starts.append(seconds)
         print(f"{'cold start' if i == 0 else 'warm restart'}: SERVING after {seconds:.1f}s "
               f"(log: {work / f'serve{i}.log'})")
