@@ -1,7 +1,9 @@
 """Eagle speculative decoding: generated tokens/s with and without it, same run.
 
 The default model (models/tiny-stdlib) with and without its Eagle head
-(models/tiny-stdlib-eagle), greedy, ignore_eos, float32: batches of 1, 4 and 16
+(models/tiny-stdlib-eagle), greedy, ignore_eos, in --dtype (default
+float32; auto would serve the bfloat16 checkpoint natively where the CPU has
+AVX512_BF16): batches of 1, 4 and 16
 prompts of 128 tokens cut from held-out standard-library files, 128 new
 tokens each. Both engines are warmed up fully (no compile while timed) and
 the prefix cache is off, so every timed set does its whole prefill. For each
@@ -10,6 +12,7 @@ prompts; the best time of each is reported (the machine may be shared), with
 the Eagle engine's mean acceptance length over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
+        [--dtype float32]
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def held_out_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
     return [stream[s:s + PROMPT_TOKENS].tolist() for s in starts]
 
 
-def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int]) -> Any:
+def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
+                dtype: str) -> Any:
     from esurge import CacheConfig, Config, SchedulerConfig, SpeculativeConfig, eSurge
 
     spec = SpeculativeConfig(k, str(head)) if head is not None else None
@@ -54,7 +58,7 @@ def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int]) 
         spec,
     )
     began = time.perf_counter()
-    llm = eSurge(model_dir, config, show_progress=False)
+    llm = eSurge(model_dir, config, show_progress=False, dtype=dtype)
     print(f"{'eagle' if head else 'plain'} engine ready (warm-up {time.perf_counter() - began:.0f}"
           "s)", file=sys.stderr, flush=True)
     return llm
@@ -75,8 +79,8 @@ def timed_generate(llm: Any, prompts: list[list[int]]) -> float:
 def run(args: argparse.Namespace) -> list[dict[str, float]]:
     """Measure every batch size; returns one row per batch size."""
     batches = [int(b) for b in args.batches.split(",")]
-    plain = make_engine(args.model, None, args.k, batches)
-    eagle = make_engine(args.model, args.head, args.k, batches)
+    plain = make_engine(args.model, None, args.k, batches, args.dtype)
+    eagle = make_engine(args.model, args.head, args.k, batches, args.dtype)
     rows = []
     try:
         pool = held_out_prompts(args.model, max(batches) * (2 * args.repeats + 1) * 2, args.seed)
@@ -117,6 +121,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     args = p.parse_args()
     for path in (args.model, args.head):
         if not (path / "config.json").is_file():

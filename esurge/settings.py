@@ -37,6 +37,10 @@ class EngineSettings:
     min_token_bucket: the smallest token bucket a step is padded to.
     decode_steps: decode iterations one step may run when every running
     request decodes without per-token sampling state (1: never a burst).
+    kv_cache_dtype: "auto" (the serving dtype) or one of SERVING_DTYPES; a
+    bfloat16 cache under a float32 model halves the cache's memory and the
+    bytes attention reads, its keys and values rounded once when written
+    (attention itself stays float32).
     parallel_config: the devices the model is split over (ParallelConfig).
     """
 
@@ -44,6 +48,7 @@ class EngineSettings:
     memory_fraction: float = 0.25
     min_token_bucket: int = 16
     decode_steps: int = 1
+    kv_cache_dtype: str = "auto"
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -53,6 +58,10 @@ class EngineSettings:
         if self.dtype not in ("auto", *SERVING_DTYPES):
             raise InvalidConfigError("dtype", f"dtype must be 'auto' or one of "
                                               f"{list(SERVING_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *SERVING_DTYPES):
+            raise InvalidConfigError(
+                "kv_cache_dtype", f"kv_cache_dtype must be 'auto' or one of "
+                                  f"{list(SERVING_DTYPES)}, got {self.kv_cache_dtype!r}")
         fraction = self.memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
                 0.0 < fraction <= 1.0):
@@ -70,6 +79,10 @@ class EngineSettings:
             raise TypeError(f"EngineSettings has no field(s) {sorted(unknown)}")
         given = {name: value for name, value in changes.items() if value is not None}
         return dataclasses.replace(self, **given) if given else self  # type: ignore[arg-type]
+
+    def cache_dtype(self, serving_dtype: str) -> str:
+        """The KV cache's dtype under a model served in serving_dtype."""
+        return serving_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def check_speculation(self, num_speculative_tokens: int) -> None:
         """Refuse decode bursts together with speculative decoding."""

@@ -138,10 +138,12 @@ class eSurge:
     optionally, tokenizer.json) or a single .gguf file; without a tokenizer,
     prompts must be token ids. config None derives one from the checkpoint
     (see default_config). The settings beside it (dtype, memory_fraction,
-    min_token_bucket, decode_steps, parallel_config: `esurge.settings.EngineSettings`) come from
+    min_token_bucket, decode_steps, kv_cache_dtype, parallel_config:
+    `esurge.settings.EngineSettings`) come from
     `settings`, each keyword argument given overriding it. dtype "auto" picks
-    the checkpoint's precision where this backend runs it fast (float32 on
-    CPU; esurge.models.loader.resolve_dtype). Compiled programs are kept on
+    the checkpoint's precision where this backend runs it fast (on CPU:
+    bfloat16 checkpoints in bfloat16 where the CPU has native bfloat16 dot
+    products, float32 otherwise; esurge.models.loader.resolve_dtype). Compiled programs are kept on
     disk (esurge.engine.compile_cache), so the next start's warm-up mostly
     reads them back.
     decode_steps > 1 lets a step run that many decode iterations when every
@@ -156,12 +158,14 @@ class eSurge:
                  tokenizer_dir: str | Path | None = None, memory_fraction: float | None = None,
                  warmup: bool = True, show_progress: bool = True,
                  min_token_bucket: int | None = None, decode_steps: int | None = None,
-                 parallel_config: ParallelConfig | None = None) -> None:
+                 parallel_config: ParallelConfig | None = None,
+                 kv_cache_dtype: str | None = None) -> None:
         enable_compile_cache()
         # One override path: the keyword arguments given (not None) over `settings`.
         self.settings = (settings or EngineSettings()).with_overrides(
             dtype=dtype, memory_fraction=memory_fraction, min_token_bucket=min_token_bucket,
-            decode_steps=decode_steps, parallel_config=parallel_config)
+            decode_steps=decode_steps, parallel_config=parallel_config,
+            kv_cache_dtype=kv_cache_dtype)
         parallel = self.settings.parallel_config
         if not parallel.is_leader:
             raise InvalidConfigError("host_rank", f"eSurge runs on the leader (host_rank 0); "

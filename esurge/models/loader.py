@@ -71,10 +71,13 @@ class LoadedModel:
         """The parameter arrays."""
         return self.model_state.params
 
-    def cache_groups(self, num_pages: int, page_size: int) -> CacheGroupsConfig:
-        """The KV cache groups of this model over a pool of num_pages pages."""
+    def cache_groups(self, num_pages: int, page_size: int,
+                     kv_dtype: str | None = None) -> CacheGroupsConfig:
+        """The KV cache groups of this model over a pool of num_pages pages
+        (kv_dtype: the cache's dtype, by default the serving dtype)."""
         # The serving config's kv heads: replicated up to the TP degree when fewer.
-        return cache_groups_from_hf_config(self.hf_config, num_pages, page_size, self.dtype,
+        return cache_groups_from_hf_config(self.hf_config, num_pages, page_size,
+                                           kv_dtype or self.dtype,
                                            num_kv_heads=self.config.num_kv_heads)
 
 

@@ -1,8 +1,8 @@
 """Paged attention over a flattened token batch: the pure-JAX path and the dispatch.
 
 Layers call `write_and_attend`, which picks the implementation
-(`AttentionBackend`): on XLA:CPU with a float32 cache (or bfloat16 where the
-CPU has native bfloat16), the C++ kernel of
+(`AttentionBackend`): on XLA:CPU with a float32 or bfloat16 cache, the C++
+kernel of
 `esurge.models.cpu_kernels` (it writes the step's keys and values in place
 and reads each visible key once from the pages); elsewhere (GPU/TPU,
 bfloat16, no compiler) `write_kv` followed by the pure-JAX `paged_attention`
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from esurge.models.cpu_kernels import kernels_serve, paged_attention_kernel
+from esurge.models.cpu_kernels import attention_kernel_serves, paged_attention_kernel
 from esurge.models.local_shards import over_local_heads
 from esurge.models.rope import apply_rope
 
@@ -65,7 +65,7 @@ class AttentionBackend(enum.Enum):
 def kernel_serves(dtype: jnp.dtype | str) -> bool:
     """True when AUTO attention over a cache of this dtype runs in the CPU kernel
     (callers then skip what only helps the XLA path, such as query tiles)."""
-    return kernels_serve(dtype)
+    return attention_kernel_serves(dtype)
 
 
 def _use_kernel(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array,
@@ -76,8 +76,7 @@ def _use_kernel(backend: AttentionBackend, q: jax.Array, k_cache: jax.Array,
             and kernel_serves(k_cache.dtype))
     if backend is AttentionBackend.CPU_KERNEL and not fits:
         raise ValueError("the CPU paged-attention kernel needs the CPU platform, a float32 "
-                         "cache (or bfloat16 on a CPU with native bfloat16), and a C++ "
-                         "compiler to build it")
+                         "or bfloat16 cache, and a C++ compiler to build it")
     return fits
 
 

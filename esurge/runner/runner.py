@@ -94,9 +94,11 @@ class eSurgeRunner:
         self.num_spec = config.num_speculative_tokens
         # Query tiles only help the XLA attention path; the CPU kernel groups rows
         # itself, and skipping tiles halves the programs warm-up compiles.
-        self.tiled_attention = not kernel_serves(model.dtype)
+        self.kv_dtype = settings.cache_dtype(model.dtype)
+        self.tiled_attention = not kernel_serves(self.kv_dtype)
         self.num_pages = cache.num_pages or self._pages_from_budget(settings.memory_fraction)
-        self.cache_groups: CacheGroupsConfig = model.cache_groups(self.num_pages, self.page_size)
+        self.cache_groups: CacheGroupsConfig = model.cache_groups(self.num_pages, self.page_size,
+                                                                  self.kv_dtype)
         self.buckets = StepBuckets.create(sched.max_num_batched_tokens, sched.max_num_seqs,
                                           sched.max_num_seq_buckets,
                                           min_tokens=settings.min_token_bucket)
@@ -145,7 +147,7 @@ class eSurgeRunner:
         return None if self.spec is None else self.spec.stats.snapshot()
 
     def _pages_from_budget(self, fraction: float) -> int:
-        probe = self.model.cache_groups(1, self.page_size)
+        probe = self.model.cache_groups(1, self.page_size, self.kv_dtype)
         # The Eagle head's cache (usually one layer shaped like the target's)
         # spans the same page ids; budget for it too.
         page_bytes = probe.bytes_per_page

@@ -129,7 +129,7 @@ def test_explicit_kernel_backend_refuses_what_it_cannot_run() -> None:
                                  jnp.ones((1, 2), jnp.int32), jnp.int32(2))
     cache = jnp.zeros((4, PAGE, KV_HEADS, DIM), jnp.float16)  # no kernel serves float16
     new = jnp.zeros((2, KV_HEADS, DIM), jnp.float16)
-    with pytest.raises(ValueError, match="float32 cache"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
         write_and_attend(jnp.zeros((2, HEADS, DIM), jnp.float16), new, new, cache, cache,
                          jnp.zeros(2, jnp.int32), metadata, scale=1.0,
                          backend=AttentionBackend.CPU_KERNEL)

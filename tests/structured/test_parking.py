@@ -35,7 +35,9 @@ def test_a_compiling_request_holds_nobody_back(random_engine: Any) -> None:
     held: Future[Any] = Future()
     waiting, waiting_out = _submit(random_engine, "parked", SamplingParams(
         temperature=0.0, max_tokens=8, structured_outputs=SO), held)
-    free, free_out = _submit(random_engine, "free", SamplingParams(max_tokens=4), None)
+    # ignore_eos: an unseeded sample may draw EOS early; the point is that it runs.
+    free, free_out = _submit(random_engine, "free", SamplingParams(max_tokens=4, ignore_eos=True),
+                             None)
     free.result(timeout=30)
     done: RequestOutput = free_out.get(timeout=30)
     assert done.finished and len(done.outputs[0].token_ids) == 4

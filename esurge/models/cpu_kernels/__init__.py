@@ -47,6 +47,7 @@ __all__ = [
     "MATMUL_TARGET",
     "PANEL",
     "TARGET",
+    "attention_kernel_serves",
     "bf16_matmul_kernel",
     "coded_matmul_kernel",
     "cpu_has_amx",
@@ -265,6 +266,15 @@ def packed_matmul_kernel(
     out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows, silu_mul=silu_mul)
+
+
+def attention_kernel_serves(dtype: jnp.dtype | str) -> bool:
+    """True when the paged-attention kernel takes a cache of this dtype here:
+    XLA:CPU, the library built, float32 or bfloat16 (a bfloat16 cache is
+    widened as it is read, which needs no bfloat16 arithmetic from the CPU)."""
+    return (jax.default_backend() == "cpu"
+            and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+            and kernel_available())
 
 
 def bf16_matmul_kernel(
