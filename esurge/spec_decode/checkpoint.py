@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from esurge.models.decoder_config import DecoderConfig
+from esurge.models.packed_linear import pack_weight
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 from esurge.spec_decode.head import EagleHead, EagleState, HeadParams
 
@@ -136,9 +137,23 @@ def _vocab_maps(tensors: dict[str, np.ndarray], config: EagleConfig) -> jax.Arra
     return jnp.asarray(d2t, jnp.int32)
 
 
-def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float32"
-                    ) -> EagleState:
-    """Load the Eagle head in `path` for a target model of configuration `target`."""
+def _packed_params(params: HeadParams) -> HeadParams:
+    """Every projection's [out, in] weight as column panels (PackedLinear's layout)."""
+    out: HeadParams = {}
+    for name, value in params.items():
+        if isinstance(value, dict):
+            out[name] = _packed_params(value) if name != "embed_tokens" else value
+        elif name == "weight" and value.ndim == 2:
+            out[name] = pack_weight(value.T)
+        else:
+            out[name] = value
+    return out
+
+
+def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float32",
+                    pack: bool = False) -> EagleState:
+    """Load the Eagle head in `path` for a target model of configuration `target`;
+    pack: store its projections in column panels for the CPU kernels (serving)."""
     path = Path(path)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -171,6 +186,13 @@ def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float
     if tensors:
         raise ValueError(f"draft head in {path} has unexpected tensors {sorted(tensors)[:8]} "
                          f"for an {layout.value} layout")
+    if pack:
+        graphdef, packed_state = nnx.split(nnx.eval_shape(lambda: EagleHead(
+            config, dtype=jdtype, own_embedding=own_embedding, packed=True)))
+        params = _packed_params(params)
+        expected = jax.tree_util.tree_map(lambda a: a.shape, nnx.to_pure_dict(packed_state))
+        if jax.tree_util.tree_map(lambda a: a.shape, params) != expected:
+            raise ValueError("packed draft head parameters do not match its packed modules")
     return EagleState(graphdef, params, d2t)
 
 

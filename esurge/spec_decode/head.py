@@ -14,6 +14,11 @@ state [T, H]:
   with `hidden` as the residual; logits = lm_head(norm(x)) over the draft
   vocabulary. Its first hidden input is fc over the three fused target layers.
 The returned hidden state is what the next step consumes.
+
+Serving may store every projection packed in column panels (`packed=True`,
+esurge.models.packed_linear), so the head multiplies in the same CPU kernels
+as the target (float32, or bfloat16 where the CPU has it) instead of XLA's
+matmuls; training keeps the checkpoint's [out, in] layout.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from flax import nnx
 
 from esurge.models.decoder_config import Activation
 from esurge.models.layers import Embedding, Linear, RMSNorm
+from esurge.models.packed_linear import PackedLinear
 from esurge.models.rope import apply_rope
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 
@@ -43,16 +49,26 @@ def _activate(kind: Activation, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=kind is Activation.GELU_TANH)
 
 
+HeadLinear = Linear | PackedLinear
+
+
+def _linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
+            packed: bool) -> HeadLinear:
+    if packed:
+        return PackedLinear(in_features, out_features, bias=bias, dtype=dtype)
+    return Linear(in_features, out_features, bias=bias, dtype=dtype)
+
+
 def _norm(dim: int, config: EagleConfig, dtype: jnp.dtype) -> RMSNorm:
     return RMSNorm(dim, eps=config.rms_norm_eps, offset=False, dtype=dtype)
 
 
 class _MLP(nnx.Module):
-    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype):
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, packed: bool):
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, bias=bias, dtype=dtype)
-        self.up_proj = Linear(h, i, bias=bias, dtype=dtype)
-        self.down_proj = Linear(i, h, bias=bias, dtype=dtype)
+        self.gate_proj = _linear(h, i, bias=bias, dtype=dtype, packed=packed)
+        self.up_proj = _linear(h, i, bias=bias, dtype=dtype, packed=packed)
+        self.down_proj = _linear(i, h, bias=bias, dtype=dtype, packed=packed)
         self.activation = config.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [T, H]
@@ -60,12 +76,14 @@ class _MLP(nnx.Module):
 
 
 class _Attention(nnx.Module):
-    def __init__(self, in_features: int, config: EagleConfig, *, dtype: jnp.dtype):
+    def __init__(self, in_features: int, config: EagleConfig, *, dtype: jnp.dtype,
+                 packed: bool):
         d, bias = config.head_dim, config.attention_bias
-        self.q_proj = Linear(in_features, config.num_heads * d, bias=bias, dtype=dtype)
-        self.k_proj = Linear(in_features, config.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.v_proj = Linear(in_features, config.num_kv_heads * d, bias=bias, dtype=dtype)
-        self.o_proj = Linear(config.num_heads * d, config.hidden_size, bias=bias, dtype=dtype)
+        heads, kv_heads = config.num_heads * d, config.num_kv_heads * d
+        self.q_proj = _linear(in_features, heads, bias=bias, dtype=dtype, packed=packed)
+        self.k_proj = _linear(in_features, kv_heads, bias=bias, dtype=dtype, packed=packed)
+        self.v_proj = _linear(in_features, kv_heads, bias=bias, dtype=dtype, packed=packed)
+        self.o_proj = _linear(heads, config.hidden_size, bias=bias, dtype=dtype, packed=packed)
         self.shape = (config.num_heads, config.num_kv_heads, d)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
@@ -81,12 +99,12 @@ class _Attention(nnx.Module):
 class _Eagle1Layer(nnx.Module):
     """A Llama decoder layer; EAGLE-1 drops the input norm of layer 0."""
 
-    def __init__(self, config: EagleConfig, index: int, *, dtype: jnp.dtype):
+    def __init__(self, config: EagleConfig, index: int, *, dtype: jnp.dtype, packed: bool):
         h = config.hidden_size
         self.input_layernorm = _norm(h, config, dtype) if index > 0 else None
-        self.self_attn = _Attention(h, config, dtype=dtype)
+        self.self_attn = _Attention(h, config, dtype=dtype, packed=packed)
         self.post_attention_layernorm = _norm(h, config, dtype)
-        self.mlp = _MLP(config, dtype=dtype)
+        self.mlp = _MLP(config, dtype=dtype, packed=packed)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
                  layer: int) -> jax.Array:  # [T, H]
@@ -98,13 +116,13 @@ class _Eagle1Layer(nnx.Module):
 class _Eagle3Layer(nnx.Module):
     """The EAGLE-3 midlayer: attention over [normed embedding; normed hidden]."""
 
-    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype):
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, packed: bool):
         h = config.hidden_size
         self.input_layernorm = _norm(h, config, dtype)
         self.hidden_norm = _norm(h, config, dtype)
-        self.self_attn = _Attention(2 * h, config, dtype=dtype)
+        self.self_attn = _Attention(2 * h, config, dtype=dtype, packed=packed)
         self.post_attention_layernorm = _norm(h, config, dtype)
-        self.mlp = _MLP(config, dtype=dtype)
+        self.mlp = _MLP(config, dtype=dtype, packed=packed)
         self.norm_before_residual = config.norm_before_residual
 
     def __call__(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
@@ -119,20 +137,22 @@ class _Eagle3Layer(nnx.Module):
 class EagleHead(nnx.Module):
     """An EAGLE-1 or EAGLE-3 draft head (see the module docstring)."""
 
-    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, own_embedding: bool = False):
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, own_embedding: bool = False,
+                 packed: bool = False):
         self.config = config
         h = config.hidden_size
         self.embed_tokens = (Embedding(config.vocab_size, h, dtype=dtype)
                              if own_embedding else None)
         if config.layout is EagleLayout.EAGLE1:
-            self.fc = Linear(2 * h, h, bias=config.fc_bias, dtype=dtype)
-            self.layers = nnx.List([_Eagle1Layer(config, i, dtype=dtype)
+            self.fc = _linear(2 * h, h, bias=config.fc_bias, dtype=dtype, packed=packed)
+            self.layers = nnx.List([_Eagle1Layer(config, i, dtype=dtype, packed=packed)
                                     for i in range(config.num_layers)])
         else:
-            self.fc = Linear(config.feature_size, h, bias=False, dtype=dtype)
-            self.midlayer = _Eagle3Layer(config, dtype=dtype)
+            self.fc = _linear(config.feature_size, h, bias=False, dtype=dtype, packed=packed)
+            self.midlayer = _Eagle3Layer(config, dtype=dtype, packed=packed)
             self.norm = _norm(h, config, dtype)
-            self.lm_head = Linear(h, config.draft_vocab_size, bias=False, dtype=dtype)
+            self.lm_head = _linear(h, config.draft_vocab_size, bias=False, dtype=dtype,
+                                   packed=packed)
 
     def embed(self, ids: jax.Array, target: Any) -> jax.Array:  # [T] -> [T, H]
         """Token embeddings: the head's own table if it has one, else the target's."""

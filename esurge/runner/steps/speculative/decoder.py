@@ -92,8 +92,13 @@ class SpecDecoder:
         self.num_spec = spec.num_speculative_tokens
         # Under tensor parallelism the head is replicated: it is one small layer,
         # and its drafts must be the same on every device.
+        # On one device the head's projections go in the target's CPU kernels
+        # when they serve its dtype (packed panels), not in XLA's matmuls (without
+        # AVX-512 the panels serve only small steps: the head stays unpacked there).
+        pack = (model.mesh is None and model.config.packed_weights
+                and not model.config.dual_layout)
         self.head = replicated(load_eagle_head(spec.speculative_model, model.config,
-                                               model.dtype), model.mesh)
+                                               model.dtype, pack=pack), model.mesh)
         config = self.head.config
         self.layout = config.layout
         # The head names layer inputs; forward reports layer outputs (input of i = output of i-1).
