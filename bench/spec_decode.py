@@ -6,18 +6,25 @@ float32; auto would serve the bfloat16 checkpoint natively where the CPU has
 AVX512_BF16): batches of 1, 4 and 16
 prompts of 128 tokens cut from held-out standard-library files, 128 new
 tokens each. Both engines are warmed up fully (no compile while timed) and
-the prefix cache is off, so every timed set does its whole prefill. For each
-batch size the two engines run alternately, --repeats times each, on fresh
-prompts; the best time of each is reported (the machine may be shared), with
-the Eagle engine's mean acceptance length over its timed runs.
+the prefix cache is off, so every timed set does its whole prefill. Each
+engine runs in a process of its own, the two in turn --rounds times; per
+batch size an untimed pass, then --repeats timed ones on fresh prompts; the
+best time of each engine is reported (the machine may be shared), with the
+Eagle engine's mean acceptance length over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
-        [--dtype float32]
+        [--dtype float32] [--speculation adaptive]
+
+--speculation adaptive (the engine's default) lets the Eagle engine draft only
+at batch sizes where it measured speculation paying (it learns during the
+untimed pass of each batch size); always drafts on every step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,7 +53,7 @@ def held_out_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
 
 
 def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
-                dtype: str) -> Any:
+                dtype: str, speculation: str) -> Any:
     from esurge import CacheConfig, Config, SchedulerConfig, SpeculativeConfig, eSurge
 
     spec = SpeculativeConfig(k, str(head)) if head is not None else None
@@ -58,7 +65,7 @@ def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
         spec,
     )
     began = time.perf_counter()
-    llm = eSurge(model_dir, config, show_progress=False, dtype=dtype)
+    llm = eSurge(model_dir, config, show_progress=False, dtype=dtype, speculation=speculation)
     print(f"{'eagle' if head else 'plain'} engine ready (warm-up {time.perf_counter() - began:.0f}"
           "s)", file=sys.stderr, flush=True)
     return llm
@@ -76,39 +83,65 @@ def timed_generate(llm: Any, prompts: list[list[int]]) -> float:
     return seconds
 
 
-def run(args: argparse.Namespace) -> list[dict[str, float]]:
-    """Measure every batch size; returns one row per batch size."""
+def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]]:
+    """One engine's best seconds per batch size (and the Eagle one's acceptance),
+    in this process. Per batch size: an untimed pass, then --repeats timed ones."""
     batches = [int(b) for b in args.batches.split(",")]
-    plain = make_engine(args.model, None, args.k, batches, args.dtype)
-    eagle = make_engine(args.model, args.head, args.k, batches, args.dtype)
-    rows = []
+    llm = make_engine(args.model, args.head if eagle else None, args.k, batches, args.dtype,
+                      args.speculation)
+    out: dict[int, dict[str, float]] = {}
     try:
-        pool = held_out_prompts(args.model, max(batches) * (2 * args.repeats + 1) * 2, args.seed)
+        pool = held_out_prompts(args.model, max(batches) * (args.repeats + 1) * len(batches),
+                                args.seed)
         cursor = 0
         for batch in batches:
-            for llm in (plain, eagle):  # untimed pass: first-touch effects off the clock
-                timed_generate(llm, pool[cursor:cursor + batch])
+            timed_generate(llm, pool[cursor:cursor + batch])  # first-touch effects off the clock
             cursor += batch
-            best = {"plain": float("inf"), "eagle": float("inf")}
-            eagle.runner.spec.stats.reset()
+            if eagle:
+                llm.runner.spec.stats.reset()
+            best = float("inf")
             for _ in range(args.repeats):
-                for name, llm in (("plain", plain), ("eagle", eagle)):
-                    prompts = pool[cursor:cursor + batch]
-                    cursor += batch
-                    best[name] = min(best[name], timed_generate(llm, prompts))
-            stats = eagle.runner.spec_stats
-            tokens = batch * NEW_TOKENS
-            row = {"batch": batch, "plain_tok_s": tokens / best["plain"],
-                   "eagle_tok_s": tokens / best["eagle"],
-                   "speedup": best["plain"] / best["eagle"],
-                   "mean_acceptance_length": stats.mean_acceptance_length}
-            rows.append(row)
-            print(f"batch {batch:3d}: plain {row['plain_tok_s']:8.1f} tok/s | eagle "
-                  f"{row['eagle_tok_s']:8.1f} tok/s | speedup {row['speedup']:.2f}x | "
-                  f"acceptance length {row['mean_acceptance_length']:.2f}", flush=True)
+                best = min(best, timed_generate(llm, pool[cursor:cursor + batch]))
+                cursor += batch
+            row = {"seconds": best}
+            if eagle:
+                row["acceptance"] = llm.runner.spec_stats.mean_acceptance_length
+                rates = getattr(llm.runner.spec.policy, "rates", {})
+                measured = {f"{'spec' if s else 'plain'}@{b}": round(r.tokens_per_s)
+                            for (s, b), r in sorted(rates.items(), key=lambda kv: kv[0][1])}
+                print(f"  batch {batch}: policy rates (tok/s by mode@batch) {measured}",
+                      file=sys.stderr)
+            out[batch] = row
     finally:
-        plain.shutdown()
-        eagle.shutdown()
+        llm.shutdown()
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict[str, float]]:
+    """Each engine in a process of its own (a second engine in one process
+    dispatches its steps measurably slower than the first), --rounds times in
+    turn; the best time of each per batch size. Returns one row per batch size."""
+    best: dict[str, dict[int, dict[str, float]]] = {}
+    for _ in range(args.rounds):
+        for name in ("plain", "eagle"):
+            child = [sys.executable, __file__, "--child", name, "--model", str(args.model),
+                     "--head", str(args.head), "--k", str(args.k), "--repeats",
+                     str(args.repeats), "--batches", args.batches, "--seed", str(args.seed),
+                     "--dtype", args.dtype, "--speculation", args.speculation]
+            done = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)
+            result = {int(b): r for b, r in json.loads(done.stdout.splitlines()[-1]).items()}
+            for batch, row in result.items():
+                kept = best.setdefault(name, {}).get(batch)
+                if kept is None or row["seconds"] < kept["seconds"]:
+                    best[name][batch] = row
+    rows = []
+    for batch in sorted(best["plain"]):
+        plain, eagle = best["plain"][batch], best["eagle"][batch]
+        tokens = batch * NEW_TOKENS
+        rows.append({"batch": batch, "plain_tok_s": tokens / plain["seconds"],
+                     "eagle_tok_s": tokens / eagle["seconds"],
+                     "speedup": plain["seconds"] / eagle["seconds"],
+                     "mean_acceptance_length": eagle["acceptance"]})
     return rows
 
 
@@ -122,7 +155,13 @@ def main() -> int:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
+    p.add_argument("--speculation", default="adaptive", choices=("adaptive", "always"))
+    p.add_argument("--rounds", type=int, default=2, help="engine processes per engine, in turn")
+    p.add_argument("--child", choices=("plain", "eagle"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.child is not None:
+        print(json.dumps(measure(args, args.child == "eagle")))
+        return 0
     for path in (args.model, args.head):
         if not (path / "config.json").is_file():
             p.error(f"{path} has no config.json (train it first: tools/train_default.py, "

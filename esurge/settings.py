@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from esurge.config import ParallelConfig
 from esurge.errors import InvalidConfigError
 
-__all__ = ["SERVING_DTYPES", "EngineSettings"]
+__all__ = ["SERVING_DTYPES", "SPECULATION_MODES", "EngineSettings"]
 
 # The dtypes a model can be served in; "auto" lets the loader choose.
 SERVING_DTYPES = ("float32", "bfloat16")
+# With a draft head: speculate where it measurably pays, or on every step.
+SPECULATION_MODES = ("adaptive", "always")
 
 
 def _is_int(value: object) -> bool:
@@ -37,6 +39,11 @@ class EngineSettings:
     min_token_bucket: the smallest token bucket a step is padded to.
     decode_steps: decode iterations one step may run when every running
     request decodes without per-token sampling state (1: never a burst).
+    speculation: with a draft head (SpeculativeConfig), "adaptive" drafts
+    only at batch sizes where the measured token rate of speculative steps
+    beats plain ones (esurge.spec_decode.policy); "always" drafts on every
+    step. Either way the tokens are those of plain decoding (greedy) or its
+    distribution (sampling).
     kv_cache_dtype: "auto" (the serving dtype) or one of SERVING_DTYPES; a
     bfloat16 cache under a float32 model halves the cache's memory and the
     bytes attention reads, its keys and values rounded once when written
@@ -49,6 +56,7 @@ class EngineSettings:
     min_token_bucket: int = 16
     decode_steps: int = 1
     kv_cache_dtype: str = "auto"
+    speculation: str = "adaptive"
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -62,6 +70,9 @@ class EngineSettings:
             raise InvalidConfigError(
                 "kv_cache_dtype", f"kv_cache_dtype must be 'auto' or one of "
                                   f"{list(SERVING_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.speculation not in SPECULATION_MODES:
+            raise InvalidConfigError("speculation", f"speculation must be one of "
+                                     f"{list(SPECULATION_MODES)}, got {self.speculation!r}")
         fraction = self.memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not (
                 0.0 < fraction <= 1.0):

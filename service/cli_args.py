@@ -23,7 +23,7 @@ from pathlib import Path
 from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from esurge.errors import InvalidConfigError
 from esurge.packaged import DEFAULT_MODEL, PACKAGED_MODELS
-from esurge.settings import SERVING_DTYPES, EngineSettings
+from esurge.settings import SERVING_DTYPES, SPECULATION_MODES, EngineSettings
 
 __all__ = [
     "CHUNKED_BATCH_TOKENS",
@@ -59,6 +59,7 @@ CONFIG_FIELD_FLAGS: dict[str, str] = {
     "memory_fraction": "--memory-fraction",
     "decode_steps": "--decode-steps",
     "kv_cache_dtype": "--kv-cache-dtype",
+    "speculation": "--speculation",
     "tensor_parallel_size": "--tensor-parallel-size",
     "num_hosts": "--num-hosts",
     "host_rank": "--host-rank",
@@ -243,6 +244,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                            "(default: %(default)s, off)")
     spec.add_argument("--speculative-model", type=_existing_dir, default=None, metavar="DIR",
                       help="Eagle draft model directory")
+    spec.add_argument("--speculation", choices=SPECULATION_MODES, default="adaptive",
+                      help="adaptive: draft only at batch sizes where speculative steps "
+                           "measurably beat plain ones; always: draft on every step "
+                           "(default: %(default)s)")
 
 
 def build_parser(prog: str = "esurge-serve") -> argparse.ArgumentParser:
@@ -341,6 +346,7 @@ def build_settings(args: argparse.Namespace, config: Config) -> EngineSettings:
         settings = EngineSettings().with_overrides(
             dtype=args.dtype, memory_fraction=args.memory_fraction,
             decode_steps=args.decode_steps, kv_cache_dtype=args.kv_cache_dtype,
+            speculation=args.speculation,
             parallel_config=ParallelConfig(
                 tensor_parallel_size=args.tensor_parallel_size, num_hosts=args.num_hosts,
                 host_rank=args.host_rank, coordinator_address=args.coordinator_address))

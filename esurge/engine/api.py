@@ -138,7 +138,7 @@ class eSurge:
     optionally, tokenizer.json) or a single .gguf file; without a tokenizer,
     prompts must be token ids. config None derives one from the checkpoint
     (see default_config). The settings beside it (dtype, memory_fraction,
-    min_token_bucket, decode_steps, kv_cache_dtype, parallel_config:
+    min_token_bucket, decode_steps, kv_cache_dtype, speculation, parallel_config:
     `esurge.settings.EngineSettings`) come from
     `settings`, each keyword argument given overriding it. dtype "auto" picks
     the checkpoint's precision where this backend runs it fast (on CPU:
@@ -159,13 +159,13 @@ class eSurge:
                  warmup: bool = True, show_progress: bool = True,
                  min_token_bucket: int | None = None, decode_steps: int | None = None,
                  parallel_config: ParallelConfig | None = None,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, speculation: str | None = None) -> None:
         enable_compile_cache()
         # One override path: the keyword arguments given (not None) over `settings`.
         self.settings = (settings or EngineSettings()).with_overrides(
             dtype=dtype, memory_fraction=memory_fraction, min_token_bucket=min_token_bucket,
             decode_steps=decode_steps, parallel_config=parallel_config,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, speculation=speculation)
         parallel = self.settings.parallel_config
         if not parallel.is_leader:
             raise InvalidConfigError("host_rank", f"eSurge runs on the leader (host_rank 0); "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -31,7 +32,7 @@ from esurge.runner.buckets import StepBuckets
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
 from esurge.runner.sampler import SamplerVariant
-from esurge.runner.step_inputs import build_step_inputs
+from esurge.runner.step_inputs import StepInputs, build_step_inputs
 from esurge.runner.steps.base import DeviceState, PendingStep, StepKind, StepPlan
 from esurge.runner.steps.burst import DecodeBurstStep
 from esurge.runner.steps.plain import GrammarFeed, GreedyStep, SampledStep
@@ -40,6 +41,7 @@ from esurge.runner.steps.speculative.decoder import SpecDecoder
 from esurge.runner.warmup import warm_up
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.settings import EngineSettings
+from esurge.spec_decode.policy import make_policy
 from esurge.spec_decode.stats import SpecStatsSnapshot
 from esurge.structured_output.batch import GrammarBatch
 
@@ -57,6 +59,19 @@ def _stop_ids(new: NewRequestData) -> tuple[int, ...]:
     return tuple(params.stop_token_ids) + eos
 
 
+_MAX_HOST_GAP = 0.05  # seconds between two steps that still count as host work
+
+
+def _observe_decode_step(spec: SpecDecoder, inputs: StepInputs, out: ModelRunnerOutput,
+                         seconds: float) -> None:
+    """Report a step in which every request decoded (no prompt chunk) to the policy."""
+    decoding = len(inputs.req_ids) + int(inputs.num_drafts.sum())
+    if inputs.num_tokens != decoding or not inputs.samples.all():
+        return
+    tokens = sum(len(ids) for ids in out.sampled_token_ids)
+    spec.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens, seconds)
+
+
 def _available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -72,8 +87,9 @@ class eSurgeRunner:
 
     Each step goes to the first of `step_kinds` that accepts it (see
     `esurge.runner.steps`); warm-up compiles what those kinds can run. With
-    `config.speculative_config` enabling Eagle, `spec` holds the draft head
-    and every step verifies and proposes drafts (synchronously);
+    `config.speculative_config` enabling Eagle, `spec` holds the draft head;
+    steps verify and propose drafts (synchronously) where its speculation
+    policy says drafting pays (EngineSettings.speculation), else run plain;
     `spec_stats` exposes the engine-wide counters. With it off, `spec` is
     None.
     """
@@ -121,13 +137,15 @@ class eSurgeRunner:
                 raise ValueError("speculative steps run synchronously: build the runner with "
                                  "async_scheduling=False (eSurge does this for you)")
             self.spec = SpecDecoder(model, config.speculative_config, self.cache_groups.groups,
-                                    self.num_pages, self.page_size, self.max_rows)
+                                    self.num_pages, self.page_size, self.max_rows,
+                                    make_policy(settings.speculation))
         self.step_kinds: tuple[StepKind, ...] = self._step_kinds()
+        self._last_collected: float | None = None
 
     def _step_kinds(self) -> tuple[StepKind, ...]:
         """The ways this runner runs steps, in the order they are offered a step."""
         if self.spec is not None:
-            return (SpeculativeStep(self, self.spec),)
+            return (SpeculativeStep(self, self.spec), GreedyStep(self), SampledStep(self))
         bursts = (DecodeBurstStep(self),) if self.decode_steps > 1 else ()
         return (*bursts, GreedyStep(self), SampledStep(self))
 
@@ -178,16 +196,23 @@ class eSurgeRunner:
 
     def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Apply the schedule to the persistent batch and start the step on the device."""
+        started = time.perf_counter()
         with self.on_mesh():
-            return self._dispatch(scheduler_output)
+            pending = self._dispatch(scheduler_output)
+        pending.started = started
+        return pending
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         self._update_batch(scheduler_output)
         if scheduler_output.is_empty():
             return PendingStep(None)
         ib = self.input_batch
+        num_spec = self.num_spec
+        if self.spec is not None and not self.spec.speculates(scheduler_output):
+            num_spec = 0  # a plain step: the head's cache misses its tokens from here on
+            self.spec.unsynced.update(scheduler_output.num_scheduled_tokens)
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
-                                   self.prev_index, self.num_spec, self.tiled_attention)
+                                   self.prev_index, num_spec, self.tiled_attention)
         plan = StepPlan(inputs, ib.sampling.variant(inputs.rows),
                         self.grammars.any_in(inputs.req_ids))
         for kind in self.step_kinds:
@@ -212,7 +237,17 @@ class eSurgeRunner:
         if pending.kind is None:
             return ModelRunnerOutput.empty()
         with self.on_mesh():
-            return pending.kind.collect(pending)
+            out = pending.kind.collect(pending)
+        if self.spec is not None and pending.inputs is not None:
+            # A decode step follows the step before it at once: the time since that
+            # one was collected is the step's whole cost, host work included.
+            # (A gap longer than _MAX_HOST_GAP is a pause of the loop, not host work.)
+            now, last = time.perf_counter(), self._last_collected
+            begun = last if last is not None and 0 <= pending.started - last < _MAX_HOST_GAP \
+                else pending.started
+            _observe_decode_step(self.spec, pending.inputs, out, now - begun)
+            self._last_collected = now
+        return out
 
     def sampler_variants(self) -> list[SamplerVariant]:
         """Every sampler variant a batch can need (compiled at warm-up)."""

@@ -14,7 +14,7 @@ from esurge.settings import EngineSettings
      ("memory_fraction", 1.01), ("memory_fraction", True), ("memory_fraction", "0.5"),
      ("min_token_bucket", 0), ("min_token_bucket", 2.0), ("decode_steps", 0),
      ("decode_steps", True), ("decode_steps", "4"), ("kv_cache_dtype", "float16"),
-     ("kv_cache_dtype", None)],
+     ("kv_cache_dtype", None), ("speculation", "never")],
 )
 def test_a_bad_value_is_refused_naming_its_field(field: str, bad: object) -> None:
     with pytest.raises(InvalidConfigError) as info:

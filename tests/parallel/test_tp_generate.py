@@ -67,7 +67,7 @@ def test_eagle_drafts_verify_to_the_same_tokens(tmp_path: Path,
     results = {}
     for tp in (1, 2, 4):
         with eSurge(target, spec_config(2, head), warmup=False, show_progress=False,
-                    parallel_config=ParallelConfig(tp)) as llm:
+                    speculation="always", parallel_config=ParallelConfig(tp)) as llm:
             outs = llm.generate(prompts, GREEDY)
             stats = llm.runner.spec_stats
         results[tp] = [o.outputs[0].token_ids for o in outs]

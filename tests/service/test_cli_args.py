@@ -105,6 +105,7 @@ def test_chunked_prefill_defaults_to_a_smaller_batch_budget(model_dir: Path) -> 
         (["--page-size", "x"], "argument --page-size: must be an int >= 1, got 'x'"),
         (["--decode-steps", "0"], "argument --decode-steps: must be an int >= 1, got '0'"),
         (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
+        (["--speculation", "never"], "argument --speculation: invalid choice: 'never'"),
         (["--max-num-seq-buckets", "8,a"],
          "argument --max-num-seq-buckets: must be comma-separated ints such as 8,16,32"),
         (["--grace-period", "inf"],
@@ -211,12 +212,14 @@ def test_config_or_exit_reports_flag_errors(
 
 def test_settings_flags_reach_the_settings(model_dir: Path) -> None:
     args = _args(model_dir, "--dtype", "bfloat16", "--memory-fraction", "0.5",
-                 "--decode-steps", "4", "--kv-cache-dtype", "float32")
+                 "--decode-steps", "4", "--kv-cache-dtype", "float32", "--speculation",
+                 "always")
     config = build_config(args, model_max_len=1024)
     assert config is not None
     assert build_settings(args, config) == EngineSettings(dtype="bfloat16", memory_fraction=0.5,
                                                           decode_steps=4,
-                                                          kv_cache_dtype="float32")
+                                                          kv_cache_dtype="float32",
+                                                          speculation="always")
     defaults = _args(model_dir)
     plain = build_config(defaults, model_max_len=1024)
     assert plain is not None and build_settings(defaults, plain) == EngineSettings()

@@ -28,6 +28,7 @@ def bigram_engine(bigram_dirs: tuple[Path, Path]) -> Iterator[object]:
 
     target, head = bigram_dirs
     config = spec_config(BIGRAM_K, head, max_num_seqs=32, batched_tokens=64)
-    llm = eSurge(target, config, show_progress=False, min_token_bucket=32)
+    llm = eSurge(target, config, show_progress=False, min_token_bucket=32,
+                 speculation="always")  # every step drafts: the counts below are exact
     yield llm
     llm.shutdown()

@@ -50,7 +50,7 @@ def test_random_head_keeps_greedy_tokens(family: str, layout: EagleLayout, k: in
                                    do_sample=False)[0, len(p):].tolist() for p in batch]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with eSurge(target, spec_config(k, head), show_progress=False, warmup=False,
-                min_token_bucket=32) as llm:
+                speculation="always", min_token_bucket=32) as llm:
         outs = llm.generate(batch, params)
         stats = llm.runner.spec_stats
     assert [o.outputs[0].token_ids for o in outs] == expected

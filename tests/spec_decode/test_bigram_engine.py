@@ -154,7 +154,8 @@ def test_partial_acceptance_keeps_tokens(bigram_dirs: tuple[Path, Path], probs: 
     rng = np.random.default_rng(21)
     batch = [rng.integers(0, VOCAB, size=int(n)).tolist()
              for n in np.linspace(20, 34, num_prompts)]
-    with eSurge(target, config, show_progress=False, warmup=False, min_token_bucket=32) as llm:
+    with eSurge(target, config, show_progress=False, warmup=False, min_token_bucket=32,
+                speculation="always") as llm:
         outs = llm.generate(batch, greedy(60))
         stats, preemptions = llm.runner.spec_stats, llm.scheduler.num_preemptions
         assert llm.config.scheduler_config.async_scheduling is bool(options.get("async_"))

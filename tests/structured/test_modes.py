@@ -105,7 +105,8 @@ def test_same_sampled_outputs_in_every_mode(baseline: dict[str, list[Any]], mode
 def test_same_greedy_outputs_with_speculative_decoding(baseline: dict[str, list[Any]]) -> None:
     from esurge import eSurge
 
-    llm = eSurge(MODEL, _config(spec=True), show_progress=False, min_token_bucket=64)
+    llm = eSurge(MODEL, _config(spec=True), show_progress=False, min_token_bucket=64,
+                speculation="always")
     try:
         assert _outputs(llm, 0.0) == baseline["greedy"]
         stats = llm.stats.spec

@@ -61,6 +61,8 @@ class PendingStep:
     grammar_seen: bool = False
     # The kind's own device results (e.g. a speculative step's drafts).
     extra: object = None
+    # time.perf_counter() when the runner began dispatching it.
+    started: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

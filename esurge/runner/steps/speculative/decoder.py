@@ -9,7 +9,9 @@ device until `finish` reads the emitted tokens and the new drafts.
 Requests whose sampling needs per-token host state (penalties, logit bias,
 allowed/bad tokens, min_tokens) are verified like any other but get no
 drafts: their masks for positions after a draft would need the draft
-tokens on the host first.
+tokens on the host first. So do requests that ran a plain step (`unsynced`:
+the head's cache lacks that step's tokens), which the runner takes where
+speculation does not pay (`policy`, esurge.spec_decode.policy).
 
 Draft distributions of sampled requests are kept on the device in a buffer
 of max_rows + 1 slots (the last one a sink for padding rows) until their
@@ -44,8 +46,10 @@ from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
+from esurge.scheduler.output import SchedulerOutput
 from esurge.spec_decode.checkpoint import load_eagle_head
 from esurge.spec_decode.config import EagleLayout
+from esurge.spec_decode.policy import SpeculationPolicy
 from esurge.spec_decode.proposer import (
     AttentionWindow,
     DraftBatch,
@@ -86,7 +90,8 @@ class SpecDecoder:
     """The Eagle head, its paged cache and the per-step verify/propose calls."""
 
     def __init__(self, model: LoadedModel, spec: SpeculativeConfig, groups: tuple[Any, ...],
-                 num_pages: int, page_size: int, max_rows: int) -> None:
+                 num_pages: int, page_size: int, max_rows: int,
+                 policy: SpeculationPolicy | None = None) -> None:
         if not spec.use_eagle() or spec.speculative_model is None:
             raise ValueError(f"speculative_config does not enable Eagle: {spec!r}")
         self.num_spec = spec.num_speculative_tokens
@@ -116,12 +121,26 @@ class SpecDecoder:
         self._free_slots = list(range(max_rows - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.stats = SpecDecodeStats()
+        self.policy = policy or SpeculationPolicy()
+        # Requests that ran a plain step: the head never saw those tokens.
+        self.unsynced: set[str] = set()
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
                  self.window)
 
+    def speculates(self, so: SchedulerOutput) -> bool:
+        """True when this step runs speculatively: drafts to verify, or a request
+        that can still draft and a policy that says drafting pays at this batch."""
+        if any(so.scheduled_spec_decode_tokens.values()):
+            return True
+        scheduled = so.num_scheduled_tokens
+        if all(req_id in self.unsynced for req_id in scheduled):
+            return False
+        return self.policy.speculate(len(scheduled))
+
     def release(self, req_ids: set[str]) -> None:
         """Free the draft-distribution slots of requests that left the batch."""
+        self.unsynced.difference_update(req_ids)
         for req_id in req_ids:
             slot = self._slot_of.pop(req_id, None)
             if slot is not None:
@@ -198,7 +217,10 @@ class SpecDecoder:
         next_slot[:total][emitted] = offset[emitted]
         dense = np.fromiter((ib.sampling.dense[r] is not None for r in inputs.rows.tolist()),
                             bool, num_reqs)
-        eligible = inputs.samples & ~dense
+        unsynced = np.fromiter((r in self.unsynced for r in inputs.req_ids), bool, num_reqs)
+        eligible = inputs.samples & ~dense & ~unsynced
+        if not self.policy.drafts_seeded_samples:
+            eligible &= ~self._seeded_samples(ib, inputs.rows)
         propose_mask = np.zeros(r_bucket, bool)
         propose_mask[:num_reqs] = eligible
         g = self.group
@@ -209,6 +231,11 @@ class SpecDecoder:
             first_row=first_row, propose=propose_mask,
             temperature=np.asarray(tensors.temperature, np.float32))
         return draft_batch, eligible
+
+    @staticmethod
+    def _seeded_samples(ib: InputBatch, rows: np.ndarray) -> np.ndarray:  # [num_reqs] bool
+        return np.fromiter((ib.params[r].seed is not None and ib.params[r].temperature > 0
+                            for r in rows.tolist()), bool, len(rows))
 
     def finish(self, ib: InputBatch, inputs: StepInputs, step: SpecStep
                ) -> tuple[list[list[int]], list[list[int]]]:

@@ -1,9 +1,10 @@
 """The speculative step: target forward over [last token + drafts], verification, proposal.
 
-With Eagle on, every step is one of these (they run synchronously). A
-constrained request's drafts are verified under the masks its grammar gives
-after each draft, and its next proposals are cut before the first draft the
-grammar refuses.
+With Eagle on, a step is one of these (they run synchronously) where the
+runner's speculation policy says drafting pays, or drafts wait for
+verification; the others are plain steps. A constrained request's drafts
+are verified under the masks its grammar gives after each draft, and its
+next proposals are cut before the first draft the grammar refuses.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class SpeculativeStep:
         self.spec = spec
 
     def accepts(self, plan: StepPlan) -> bool:
-        return plan.inputs.num_steps == 1
+        return plan.inputs.num_steps == 1 and plan.inputs.num_spec > 0
 
     def dispatch(self, plan: StepPlan) -> PendingStep:
         runner, inputs = self.runner, plan.inputs
@@ -68,6 +69,8 @@ class SpeculativeStep:
             return ModelRunnerOutput.empty()
         ib, grammars = self.runner.input_batch, self.runner.grammars
         emitted, proposals = self.spec.finish(ib, inputs, step)
+        if not self.spec.policy.speculate(len(inputs.req_ids)):
+            proposals = [[] for _ in proposals]  # the next step runs plain
         for i, req_id in enumerate(inputs.req_ids):
             if emitted[i] and req_id in grammars:
                 grammars.advance(req_id, int(inputs.sample_positions[i]), emitted[i])

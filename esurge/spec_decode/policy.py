@@ -1,0 +1,177 @@
+"""When speculation pays: the choice between a speculative step and a plain one.
+
+Speculation costs more per step (the target verifies k + 1 rows per request,
+the head drafts k tokens) and gains the accepted drafts. Alone on a CPU a
+decode step is bound by streaming the weights, so verifying 5 rows costs about
+what 1 does and speculation wins; with many requests the step is bound by
+arithmetic, the extra rows cost their full price and speculation loses. Where
+the line falls depends on the model, the machine and how often drafts are
+accepted, so it is measured, not assumed: the runner reports every decode
+step (its mode, how many requests it ran, the tokens they gained and its
+wall time), and the policy keeps the token rate of each mode per batch size.
+
+A plain step leaves the head's cache without the step's tokens, so a
+request that took one never drafts again (`SpecDecoder.unsynced`); new
+requests start drafting where speculation pays at their batch size. Trying
+plain decoding at a batch size is therefore paid once by the requests of that
+step, and only after speculation has been measured there.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+__all__ = ["AdaptiveSpeculation", "SpeculationPolicy", "StepRate", "make_policy"]
+
+
+@dataclass(slots=True)
+class StepRate:
+    """The recent steps of one mode at one batch size: (tokens, seconds) each.
+
+    The first `settle` steps are not kept: a fresh process's first few dozen
+    steps run up to a third slower (measured on the 4M test model), and would
+    stand for the mode's rate.
+    """
+
+    settle: int = 16
+    recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=32))
+    seen: int = 0
+
+    @property
+    def samples(self) -> int:
+        """Steps kept so far (after the settling ones)."""
+        return max(0, self.seen - self.settle)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens over seconds of the recent steps (not a mean of per-step rates: a
+        speculative step gains anything from 1 to k + 1 tokens); 0.0 before any is kept."""
+        seconds = sum(s for _, s in self.recent)
+        return sum(t for t, _ in self.recent) / seconds if seconds else 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """One more step."""
+        self.seen += 1
+        if self.seen > self.settle:
+            self.recent.append((tokens, seconds))
+
+
+class SpeculationPolicy:
+    """Speculate on every step ("always"); the base of the adaptive policy.
+
+    drafts_seeded_samples: whether a sampled request with a seed may take
+    drafts. A request without drafts samples exactly as plain decoding does,
+    while one that takes drafts draws through rejection sampling (the same
+    distribution, other tokens); where the steps' mode depends on measured
+    timings, a seeded request therefore takes none, so its tokens depend on
+    its seed alone.
+    """
+
+    drafts_seeded_samples = True
+
+    def speculate(self, batch: int) -> bool:
+        """True when a step of `batch` requests should draft (and verify)."""
+        return batch > 0
+
+    def observe(self, speculative: bool, batch: int, tokens: int, seconds: float) -> None:
+        """One decode step's outcome (ignored here)."""
+
+
+class AdaptiveSpeculation(SpeculationPolicy):
+    """Speculate at a batch size while its measured token rate beats plain decoding's.
+
+    Seeded sampled requests take no drafts here (see SpeculationPolicy).
+
+    Speculation must beat plain decoding's decode-step rate by `margin`: its
+    costs outside decode steps (the head's pass over every prompt, requests
+    that finish on different steps) are not in that rate (measured on the 4M
+    test model at batch 4: a decode rate 7% above plain decoding's still lost
+    6% end to end).
+    Unmeasured, speculation is tried first; once it has `min_samples` steps
+    at a batch size and plain decoding none, plain decoding is tried there.
+    A batch size measured in neither mode follows its neighbours where they
+    decide it: speculation loses from a batch where it lost upward, and wins
+    below a batch where it won.
+    The first `settle` steps of each mode and batch size are not counted
+    (StepRate). Rates are over the last 32 steps, so a workload whose
+    acceptance drops moves the choice; where plain decoding won, speculation
+    is measured again (`remeasure` steps in a row) after every `refresh`
+    plain steps.
+    """
+
+    drafts_seeded_samples = False
+
+    def __init__(self, min_samples: int = 12, refresh: int = 256, remeasure: int = 8,
+                 margin: float = 1.2, settle: int = 16) -> None:
+        if min(min_samples, refresh, remeasure) < 1 or settle < 0:
+            raise ValueError(f"min_samples, refresh and remeasure must be >= 1 and settle "
+                             f">= 0, got {min_samples!r}, {refresh!r}, {remeasure!r}, "
+                             f"{settle!r}")
+        if margin < 1.0:
+            raise ValueError(f"margin must be >= 1, got {margin!r}")
+        self.margin = margin
+        self.settle = settle
+        self.min_samples = min_samples
+        self.refresh = refresh
+        self.remeasure = remeasure
+        self.rates: dict[tuple[bool, int], StepRate] = {}
+        # Plain steps per batch size since speculation was last measured there,
+        # and speculative steps still owed to a re-measurement.
+        self._plain_since: dict[int, int] = {}
+        self._owed: dict[int, int] = {}
+
+    def speculate(self, batch: int) -> bool:
+        if batch <= 0:
+            return False
+        verdict = self._measured(batch)
+        if verdict is not None:
+            if verdict or self._owed.get(batch, 0) > 0:
+                return True
+            # A losing speculation is measured again now and then: its rate
+            # moves with acceptance, which plain steps cannot see.
+            if self._plain_since.get(batch, 0) >= self.refresh:
+                self._owed[batch] = self.remeasure
+                return True
+            return False
+        # Unmeasured here: a larger batch only makes a step more bound by
+        # arithmetic, so a loss measured at a smaller batch, or a win at a
+        # larger one, decides without trying.
+        below = [self._measured(b) for b in self._compared() if b < batch]
+        if below and below[-1] is False:
+            return False
+        above = [self._measured(b) for b in self._compared() if b > batch]
+        if above and above[0] is True:
+            return True
+        spec = self.rates.get((True, batch))
+        return spec is None or spec.samples < self.min_samples
+
+    def _measured(self, batch: int) -> bool | None:
+        """Whether speculation beat plain decoding at this batch size (None: not both measured)."""
+        spec, plain = self.rates.get((True, batch)), self.rates.get((False, batch))
+        if spec is None or plain is None or not spec.samples or not plain.samples:
+            return None
+        return spec.tokens_per_s >= self.margin * plain.tokens_per_s
+
+    def _compared(self) -> list[int]:
+        """The batch sizes where both modes are measured, ascending."""
+        return sorted(b for s, b in self.rates if s and self._measured(b) is not None)
+
+    def observe(self, speculative: bool, batch: int, tokens: int, seconds: float) -> None:
+        if batch <= 0 or tokens <= 0 or seconds <= 0:
+            return
+        if speculative:
+            self._plain_since[batch] = 0
+            self._owed[batch] = max(0, self._owed.get(batch, 0) - 1)
+        else:
+            self._plain_since[batch] = self._plain_since.get(batch, 0) + 1
+        self.rates.setdefault((speculative, batch), StepRate(self.settle)).add(tokens, seconds)
+
+
+def make_policy(mode: str) -> SpeculationPolicy:
+    """The policy of an EngineSettings.speculation mode ("adaptive" or "always")."""
+    if mode == "adaptive":
+        return AdaptiveSpeculation()
+    if mode == "always":
+        return SpeculationPolicy()
+    raise ValueError(f"unknown speculation mode {mode!r}")

@@ -1,0 +1,89 @@
+"""The speculation policy: when an engine with a draft head drafts (pure Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from esurge.spec_decode.policy import AdaptiveSpeculation, make_policy
+
+
+def feed(policy: AdaptiveSpeculation, speculative: bool, batch: int, steps: int, tokens: int,
+         seconds: float) -> None:
+    for _ in range(steps):
+        policy.observe(speculative, batch, tokens, seconds)
+
+
+def test_always_drafts_whenever_a_step_has_requests() -> None:
+    policy = make_policy("always")
+    assert policy.speculate(1) and policy.speculate(64) and not policy.speculate(0)
+
+
+def test_speculation_is_tried_first_then_plain_decoding() -> None:
+    policy = AdaptiveSpeculation(min_samples=3, settle=0)
+    assert policy.speculate(4)
+    feed(policy, True, 4, 2, 10, 0.01)
+    assert policy.speculate(4)  # two steps measured, three wanted
+    feed(policy, True, 4, 1, 10, 0.01)
+    assert not policy.speculate(4)  # now plain decoding is measured too
+
+
+@pytest.mark.parametrize(("spec_tokens", "drafts"), [(12, True), (11, False), (8, False)])
+def test_speculation_must_win_by_the_margin(spec_tokens: int, drafts: bool) -> None:
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, margin=1.2)
+    feed(policy, True, 4, 5, spec_tokens, 0.01)
+    feed(policy, False, 4, 5, 10, 0.01)
+    assert policy.speculate(4) is drafts
+
+
+def test_a_rate_is_tokens_over_seconds_not_a_mean_of_step_rates() -> None:
+    policy = AdaptiveSpeculation(settle=0)
+    policy.observe(True, 2, 1, 0.001)  # 1,000 tok/s
+    policy.observe(True, 2, 9, 0.003)  # 3,000 tok/s
+    assert policy.rates[(True, 2)].tokens_per_s == pytest.approx(2500)
+
+
+def test_the_first_steps_settle_before_they_count() -> None:
+    policy = AdaptiveSpeculation(settle=2)
+    feed(policy, True, 1, 2, 1, 1.0)  # a fresh process's slow first steps
+    assert policy.rates[(True, 1)].samples == 0
+    policy.observe(True, 1, 5, 0.001)
+    assert policy.rates[(True, 1)].samples == 1
+    assert policy.rates[(True, 1)].tokens_per_s == pytest.approx(5000)
+
+
+def test_an_unmeasured_batch_follows_its_measured_neighbours() -> None:
+    lost = AdaptiveSpeculation(min_samples=1, settle=0)
+    feed(lost, True, 2, 3, 10, 0.01)
+    feed(lost, False, 2, 3, 10, 0.001)
+    assert not lost.speculate(8)  # lost at 2: loses at any larger batch
+    assert lost.speculate(1)  # nothing says so below: tried
+    won = AdaptiveSpeculation(min_samples=1, settle=0)
+    feed(won, True, 16, 3, 10, 0.001)
+    feed(won, False, 16, 3, 10, 0.01)
+    feed(won, True, 4, 5, 1, 1.0)  # measured alone at 4, and badly
+    assert won.speculate(4)  # won at 16: wins at any smaller batch
+
+
+def test_a_losing_speculation_is_measured_again_after_refresh_plain_steps() -> None:
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, refresh=5, remeasure=2)
+    feed(policy, True, 1, 1, 1, 0.01)
+    feed(policy, False, 1, 4, 1, 0.001)
+    assert not policy.speculate(1)
+    feed(policy, False, 1, 1, 1, 0.001)  # the fifth plain step since speculation ran
+    assert policy.speculate(1)
+    feed(policy, True, 1, 1, 5, 0.01)
+    assert policy.speculate(1)  # one more owed
+    feed(policy, True, 1, 1, 5, 0.01)
+    assert not policy.speculate(1)  # still slower: plain again
+
+
+@pytest.mark.parametrize("kwargs", [{"min_samples": 0}, {"refresh": 0}, {"remeasure": 0},
+                                    {"margin": 0.9}, {"settle": -1}])
+def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        AdaptiveSpeculation(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="sometimes"):
+        make_policy("sometimes")
