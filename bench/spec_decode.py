@@ -13,7 +13,7 @@ best time of each engine is reported (the machine may be shared), with the
 Eagle engine's mean acceptance length over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
-        [--dtype float32] [--speculation adaptive]
+        [--dtype float32] [--speculation adaptive] [--prompts stdlib|random] [--rounds 2]
 
 --speculation adaptive (the engine's default) lets the Eagle engine draft only
 at batch sizes where it measured speculation paying (it learns during the
@@ -50,6 +50,18 @@ def held_out_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(stream) - PROMPT_TOKENS, count)
     return [stream[s:s + PROMPT_TOKENS].tolist() for s in starts]
+
+
+def random_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
+    """Prompts of uniformly random token ids: text no model predicts, so the
+    head's drafts are rarely accepted (the case speculation must not lose)."""
+    import json as json_
+
+    import numpy as np
+
+    vocab = json_.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=(count, PROMPT_TOKENS)).tolist()
 
 
 def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
@@ -91,8 +103,8 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
                       args.speculation)
     out: dict[int, dict[str, float]] = {}
     try:
-        pool = held_out_prompts(args.model, max(batches) * (args.repeats + 1) * len(batches),
-                                args.seed)
+        make = held_out_prompts if args.prompts == "stdlib" else random_prompts
+        pool = make(args.model, max(batches) * (args.repeats + 1) * len(batches), args.seed)
         cursor = 0
         for batch in batches:
             timed_generate(llm, pool[cursor:cursor + batch])  # first-touch effects off the clock
@@ -127,7 +139,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             child = [sys.executable, __file__, "--child", name, "--model", str(args.model),
                      "--head", str(args.head), "--k", str(args.k), "--repeats",
                      str(args.repeats), "--batches", args.batches, "--seed", str(args.seed),
-                     "--dtype", args.dtype, "--speculation", args.speculation]
+                     "--dtype", args.dtype, "--speculation", args.speculation,
+                     "--prompts", args.prompts]
             done = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)
             result = {int(b): r for b, r in json.loads(done.stdout.splitlines()[-1]).items()}
             for batch, row in result.items():
@@ -157,6 +170,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--speculation", default="adaptive", choices=("adaptive", "always"))
     p.add_argument("--rounds", type=int, default=2, help="engine processes per engine, in turn")
+    p.add_argument("--prompts", default="stdlib", choices=("stdlib", "random"),
+                   help="held-out stdlib code (drafts often accepted) or random token ids "
+                        "(rarely)")
     p.add_argument("--child", choices=("plain", "eagle"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:

@@ -21,18 +21,11 @@ lays them out as it does float32 panels; the einsum path undoes the pairing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from esurge.models.cpu_kernels import (
-    PANEL,
-    bf16_matmul_kernel,
-    kernels_serve,
-    packed_matmul_kernel,
-)
+from esurge.models.cpu_kernels import PANEL, kernels_serve, packed_matmul_kernel
 from esurge.models.local_shards import Split, over_local_panels
 
 __all__ = ["PANEL", "PackedGateUp", "PackedLinear", "num_panels", "pack_gate_up", "pack_weight",
@@ -90,14 +83,9 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
 DUAL_KERNEL_MAX_ROWS = 16
 
 
-MatmulKernel = Callable[..., jax.Array]
-
-
-def _kernel_for(x: jax.Array, packed: jax.Array) -> MatmulKernel | None:
-    """The CPU kernel that multiplies these operands, or None (XLA then)."""
-    if x.dtype != packed.dtype or not kernels_serve(x.dtype):
-        return None
-    return packed_matmul_kernel if x.dtype == jnp.float32 else bf16_matmul_kernel
+def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
+    """True when a CPU kernel multiplies these operands (float32, or bfloat16 natively)."""
+    return x.dtype == packed.dtype and kernels_serve(x.dtype)
 
 
 def _plain_takes(x: jax.Array, plain: nnx.Param[jax.Array] | None) -> bool:
@@ -127,17 +115,17 @@ def packed_matmul(
     (esurge.models.local_shards.over_local_panels).
     """
     per_shard = split is Split.COLUMN and shards > 1
-    kernel = _kernel_for(x, packed)
-    if kernel is not None:
+    if _kernel_takes(x, packed):
         rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
         local = out_features // shards if per_shard else out_features
-        sharded = over_local_panels(lambda xs, ws, n: kernel(xs, ws, local, n), split)
+        sharded = over_local_panels(
+            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n), split)
         if sharded is not None:
             return sharded(x, packed, rows)
         if per_shard:  # no mesh: the whole weight, each shard's padding dropped
-            whole = kernel(x, packed, packed.shape[0] * PANEL, rows)
+            whole = packed_matmul_kernel(x, packed, packed.shape[0] * PANEL, rows)
             return _unpad_shards(whole, shards, out_features)
-        return kernel(x, packed, out_features, rows)
+        return packed_matmul_kernel(x, packed, out_features, rows)
     y = jnp.einsum("tk,pkn->tpn", x, _plain_panels(packed)).reshape(x.shape[0], -1)
     return _unpad_shards(y, shards, out_features) if per_shard else y[:, :out_features]
 
@@ -162,17 +150,16 @@ def packed_silu_mul(
     """silu(x @ W_gate) * (x @ W_up), the activation applied in the kernel's epilogue
     (so the [T, 2I] product is never written); XLA elsewhere. Column-parallel
     when shards > 1 (each shard's gate/up columns packed on their own)."""
-    kernel = _kernel_for(x, packed)
-    if kernel is not None:
+    if _kernel_takes(x, packed):
         rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
         local = intermediate // shards
         sharded = over_local_panels(
-            lambda xs, ws, n: kernel(xs, ws, local, n, silu_mul=True),
+            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n, silu_mul=True),
             Split.COLUMN if shards > 1 else Split.NONE)
         if sharded is not None:
             return sharded(x, packed, rows)
-        whole = kernel(x, packed, packed.shape[0] * _HALF if shards > 1 else intermediate,
-                       rows, silu_mul=True)
+        whole = packed_matmul_kernel(x, packed, packed.shape[0] * _HALF if shards > 1
+                                     else intermediate, rows, silu_mul=True)
         return _unpad_shards(whole, shards, intermediate) if shards > 1 else whole
     y = jnp.einsum("tk,pkn->tpn", x, _plain_panels(packed))
     gate = y[..., :_HALF].reshape(x.shape[0], -1)

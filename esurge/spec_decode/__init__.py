@@ -5,14 +5,17 @@ Switched on by the engine config:
     Config(..., speculative_config=SpeculativeConfig(num_speculative_tokens=4,
                                                      speculative_model="models/tiny-stdlib-eagle"))
 
-Each engine step then verifies the drafts of the previous step in the target's
+A speculative step verifies the drafts of the previous step in the target's
 forward (greedy: token-identical to plain decoding; sampling: speculative
 rejection sampling, so the output distribution is exactly the target's, with
 per-request seeds honoured) and drafts k new tokens per request from the
-target's hidden states. Speculative steps run synchronously: with
-`async_scheduling=True` the engine still produces the same tokens, one step
-at a time. Requests whose sampling needs per-token host state (penalties,
-logit bias, allowed/bad words, min_tokens) run without drafts.
+target's hidden states. Which steps speculate is the policy's choice
+(`esurge.spec_decode.policy`, EngineSettings.speculation): by default only at
+batch sizes where speculative steps measurably beat plain ones. Speculative
+steps run synchronously: with `async_scheduling=True` the engine still
+produces the same tokens, one step at a time. Requests whose sampling needs
+per-token host state (penalties, logit bias, allowed/bad words, min_tokens)
+run without drafts.
 
 Metrics: every `EngineCoreOutput` carries `num_draft_tokens` and
 `num_accepted_tokens` for its step (summed per sample in `CompletionOutput`),

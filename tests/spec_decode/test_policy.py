@@ -29,7 +29,7 @@ def test_speculation_is_tried_first_then_plain_decoding() -> None:
 
 @pytest.mark.parametrize(("spec_tokens", "drafts"), [(12, True), (11, False), (8, False)])
 def test_speculation_must_win_by_the_margin(spec_tokens: int, drafts: bool) -> None:
-    policy = AdaptiveSpeculation(min_samples=1, settle=0, margin=1.2)
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, margin=1.2, margin_per_doubling=0)
     feed(policy, True, 4, 5, spec_tokens, 0.01)
     feed(policy, False, 4, 5, 10, 0.01)
     assert policy.speculate(4) is drafts
@@ -77,8 +77,19 @@ def test_a_losing_speculation_is_measured_again_after_refresh_plain_steps() -> N
     assert not policy.speculate(1)  # still slower: plain again
 
 
+def test_larger_batches_need_a_larger_lead() -> None:
+    policy = AdaptiveSpeculation(margin=1.05, margin_per_doubling=0.075)
+    assert policy.margin_at(1) == pytest.approx(1.05)
+    assert policy.margin_at(16) == pytest.approx(1.35)
+    for batch in (1, 16):
+        feed(policy, True, batch, 16 + 12, 13, 0.01)  # 1,300 tok/s
+        feed(policy, False, batch, 16 + 12, 10, 0.01)  # 1,000 tok/s
+    assert policy.speculate(1) and not policy.speculate(16)
+
+
 @pytest.mark.parametrize("kwargs", [{"min_samples": 0}, {"refresh": 0}, {"remeasure": 0},
-                                    {"margin": 0.9}, {"settle": -1}])
+                                    {"margin": 0.9}, {"margin_per_doubling": -0.1},
+                                    {"settle": -1}])
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         AdaptiveSpeculation(**kwargs)  # type: ignore[arg-type]

@@ -48,7 +48,6 @@ __all__ = [
     "PANEL",
     "TARGET",
     "attention_kernel_serves",
-    "bf16_matmul_kernel",
     "coded_matmul_kernel",
     "cpu_has_amx",
     "cpu_has_avx512",
@@ -256,16 +255,18 @@ def paged_attention_kernel(
 
 
 def packed_matmul_kernel(
-    x: jax.Array,  # [M, K] float32
-    w: jax.Array,  # [P, K, PANEL] float32: packed column panels
+    x: jax.Array,  # [M, K] float32, or bfloat16 with K even
+    w: jax.Array,  # [P, K, PANEL] x's dtype: packed column panels (bfloat16: rows paired)
     out_features: int,  # N, (P - 1) * PANEL < N <= P * PANEL
     num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
     silu_mul: bool = False,  # w interleaves gate/up half-panels; y = silu(gate) * up
-) -> jax.Array:  # [M, N] float32
-    """x @ W with W packed in column panels (see packed_matmul.cc)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
+) -> jax.Array:  # [M, N] x's dtype
+    """x @ W with W packed in column panels: packed_matmul.cc in float32,
+    bf16_matmul.cc in bfloat16 (float32 accumulation, one rounding)."""
+    target = MATMUL_TARGET if x.dtype == jnp.float32 else BF16_TARGET
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
-    return jax.ffi.ffi_call(MATMUL_TARGET, out)(x, w, rows, silu_mul=silu_mul)
+    return jax.ffi.ffi_call(target, out)(x, w, rows, silu_mul=silu_mul)
 
 
 def attention_kernel_serves(dtype: jnp.dtype | str) -> bool:
@@ -275,19 +276,6 @@ def attention_kernel_serves(dtype: jnp.dtype | str) -> bool:
     return (jax.default_backend() == "cpu"
             and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
             and kernel_available())
-
-
-def bf16_matmul_kernel(
-    x: jax.Array,  # [M, K] bfloat16, K even
-    w: jax.Array,  # [P, K, PANEL] bfloat16: panels with input rows paired (pack_weight)
-    out_features: int,
-    num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
-    silu_mul: bool = False,  # w interleaves gate/up half-panels; y = silu(gate) * up
-) -> jax.Array:  # [M, N] bfloat16
-    """x @ W in bfloat16 with float32 accumulation (see bf16_matmul.cc)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.bfloat16)
-    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
-    return jax.ffi.ffi_call(BF16_TARGET, out)(x, w, rows, silu_mul=silu_mul)
 
 
 def coded_matmul_kernel(
