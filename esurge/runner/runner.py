@@ -32,7 +32,7 @@ from esurge.runner.buckets import StepBuckets
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
 from esurge.runner.sampler import SamplerVariant
-from esurge.runner.step_inputs import StepInputs, build_step_inputs
+from esurge.runner.step_inputs import build_step_inputs
 from esurge.runner.steps.base import DeviceState, PendingStep, StepKind, StepPlan
 from esurge.runner.steps.burst import DecodeBurstStep
 from esurge.runner.steps.plain import GrammarFeed, GreedyStep, SampledStep
@@ -57,19 +57,6 @@ def _stop_ids(new: NewRequestData) -> tuple[int, ...]:
     params = new.sampling_params
     eos = () if new.eos_token_id is None or params.ignore_eos else (new.eos_token_id,)
     return tuple(params.stop_token_ids) + eos
-
-
-_MAX_HOST_GAP = 0.05  # seconds between two steps that still count as host work
-
-
-def _observe_decode_step(spec: SpecDecoder, inputs: StepInputs, out: ModelRunnerOutput,
-                         seconds: float) -> None:
-    """Report a step in which every request decoded (no prompt chunk) to the policy."""
-    decoding = len(inputs.req_ids) + int(inputs.num_drafts.sum())
-    if inputs.num_tokens != decoding or not inputs.samples.all():
-        return
-    tokens = sum(len(ids) for ids in out.sampled_token_ids)
-    spec.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens, seconds)
 
 
 def _available_host_bytes() -> int:
@@ -140,7 +127,6 @@ class eSurgeRunner:
                                     self.num_pages, self.page_size, self.max_rows,
                                     make_policy(settings.speculation))
         self.step_kinds: tuple[StepKind, ...] = self._step_kinds()
-        self._last_collected: float | None = None
 
     def _step_kinds(self) -> tuple[StepKind, ...]:
         """The ways this runner runs steps, in the order they are offered a step."""
@@ -239,14 +225,7 @@ class eSurgeRunner:
         with self.on_mesh():
             out = pending.kind.collect(pending)
         if self.spec is not None and pending.inputs is not None:
-            # A decode step follows the step before it at once: the time since that
-            # one was collected is the step's whole cost, host work included.
-            # (A gap longer than _MAX_HOST_GAP is a pause of the loop, not host work.)
-            now, last = time.perf_counter(), self._last_collected
-            begun = last if last is not None and 0 <= pending.started - last < _MAX_HOST_GAP \
-                else pending.started
-            _observe_decode_step(self.spec, pending.inputs, out, now - begun)
-            self._last_collected = now
+            self.spec.observe_step(pending.inputs, out, pending.started)
         return out
 
     def sampler_variants(self) -> list[SamplerVariant]:

@@ -22,6 +22,7 @@ budget skipped the request.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from esurge.models.forward import ModelState
 from esurge.models.kv_cache import KVCache
 from esurge.models.loader import LoadedModel
 from esurge.models.tensor_parallel import kv_cache_sharding, replicated
-from esurge.outputs import TokenLogprobs
+from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.runner.device_step import model_step_features
 from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
@@ -62,6 +63,8 @@ from esurge.spec_decode.stats import SpecDecodeStats
 __all__ = ["SpecDecoder", "SpecStep"]
 
 log = logging.getLogger(__name__)
+
+_MAX_HOST_GAP = 0.05  # seconds between two steps that still count as host work
 
 
 @dataclass(slots=True)
@@ -124,6 +127,7 @@ class SpecDecoder:
         self.policy = policy or SpeculationPolicy()
         # Requests that ran a plain step: the head never saw those tokens.
         self.unsynced: set[str] = set()
+        self._last_collected: float | None = None
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
                  self.window)
@@ -137,6 +141,21 @@ class SpecDecoder:
         if all(req_id in self.unsynced for req_id in scheduled):
             return False
         return self.policy.speculate(len(scheduled))
+
+    def observe_step(self, inputs: StepInputs, out: ModelRunnerOutput, started: float) -> None:
+        """Report a collected step in which every request decoded (no prompt chunk)
+        to the policy: its mode, batch size, tokens gained and its time. A decode
+        step follows the step before it at once, so the time since that one was
+        collected is its whole cost, host work included (a gap over
+        _MAX_HOST_GAP is a pause of the loop: the step's own time is taken)."""
+        now, last = time.perf_counter(), self._last_collected
+        self._last_collected = now
+        decoding = len(inputs.req_ids) + int(inputs.num_drafts.sum())
+        if inputs.num_tokens != decoding or not inputs.samples.all():
+            return
+        begun = last if last is not None and 0 <= started - last < _MAX_HOST_GAP else started
+        tokens = sum(len(ids) for ids in out.sampled_token_ids)
+        self.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens, now - begun)
 
     def release(self, req_ids: set[str]) -> None:
         """Free the draft-distribution slots of requests that left the batch."""
