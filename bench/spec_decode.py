@@ -130,9 +130,9 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
 
 
 def run(args: argparse.Namespace) -> list[dict[str, float]]:
-    """Each engine in a process of its own (a second engine in one process
-    dispatches its steps measurably slower than the first), --rounds times in
-    turn; the best time of each per batch size. Returns one row per batch size."""
+    """Each engine in a process of its own (neither inherits the other's caches,
+    threads or memory), --rounds times in turn; the best time of each per batch
+    size. Returns one row per batch size."""
     best: dict[str, dict[int, dict[str, float]]] = {}
     for _ in range(args.rounds):
         for name in ("plain", "eagle"):

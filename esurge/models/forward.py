@@ -33,7 +33,11 @@ class _HashedGraph:
 
     jit hashes the static part of its arguments on every call; hashing an nnx
     GraphDef walks the whole module tree (~0.1 ms per layer), so it is done
-    once here and equality short-cuts on identity.
+    once here and equality short-cuts on identity. Two equal graphs found
+    equal once share one GraphDef from then on: a second engine of the same
+    model in a process (its jit cache entries hold the first's graph)
+    otherwise paid a full comparison on every step (dispatch 107 -> 230 us
+    on the 4M test model).
     """
 
     __slots__ = ("_hash", "graphdef")
@@ -48,8 +52,12 @@ class _HashedGraph:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _HashedGraph):
             return NotImplemented
-        return self.graphdef is other.graphdef or (
-            self._hash == other._hash and self.graphdef == other.graphdef)
+        if self.graphdef is other.graphdef:
+            return True
+        if self._hash != other._hash or self.graphdef != other.graphdef:
+            return False
+        other.graphdef = self.graphdef  # equal: compare by identity from now on
+        return True
 
 
 Params = dict[str, Any]  # nested {module name: ... {param name: array}}, as nnx.to_pure_dict

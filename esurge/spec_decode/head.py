@@ -243,8 +243,12 @@ class _StaticGraph:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _StaticGraph):
             return NotImplemented
-        return self.graphdef is other.graphdef or (
-            self.hash == other.hash and self.graphdef == other.graphdef)
+        if self.graphdef is other.graphdef:
+            return True
+        if self.hash != other.hash or self.graphdef != other.graphdef:
+            return False
+        other.graphdef = self.graphdef  # equal: compare by identity from now on
+        return True
 
 
 jax.tree_util.register_pytree_node(EagleState, EagleState._flatten, EagleState._unflatten)

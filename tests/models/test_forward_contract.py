@@ -96,3 +96,18 @@ def test_padding_writes_only_the_null_page(make_pair: Callable[..., Pair]) -> No
         # matmul kernel leaves them (it skips padding rows).
         assert set(written) <= changed <= {0, *written}
         assert np.all(np.isfinite(np.asarray(new)))
+
+
+def test_equal_graphs_share_one_definition_after_the_first_comparison(
+        make_pair: Callable[..., Pair]) -> None:
+    # jit compares the static graph of every call with its cache entries; a
+    # second load of the same model must not pay a deep comparison each step.
+    from esurge.models import load_model
+
+    path = make_pair("llama").path
+    first, second = (load_model(path).model_state for _ in range(2))
+    assert first.graphdef is not second.graphdef
+    assert first._static == second._static
+    assert first.graphdef is second.graphdef
+    other = load_model(path, "bfloat16").model_state
+    assert first._static != other._static  # other dtype: another graph
