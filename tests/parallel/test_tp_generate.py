@@ -16,6 +16,7 @@ from esurge.errors import InvalidConfigError
 from esurge.models.loader import load_model
 from esurge.spec_decode.config import EagleLayout
 from tests.models.gguf_export import export_gguf
+from tests.engine.conftest import mixed_prompts
 from tests.parallel.conftest import GREEDY, Run, assert_same_run, engine_config, run_workload
 from tests.spec_decode.helpers import random_head, spec_config
 
@@ -129,3 +130,19 @@ def test_a_gguf_checkpoint(tmp_path: Path, checkpoint: Callable[..., Path],
     # GGUF tensors are dequantized whole and each device's slice cut from them.
     gguf_path = export_gguf(checkpoint("llama"), "llama", tmp_path / "llama.gguf")
     assert_same_run(tp_run(gguf_path, 2), reference("llama"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: qkv bias, a tied head
+def test_bfloat16_panels_split_over_devices_keep_the_tokens(
+        family: str, checkpoint: Callable[..., Path]) -> None:
+    # bfloat16 panels pair their input rows; shards must cut between pairs.
+    from esurge.models.cpu_kernels import kernels_serve
+
+    prompts = mixed_prompts(4, vocab=250)
+    runs: dict[int, list[list[int]]] = {}
+    for tp in (1, 2):
+        with eSurge(checkpoint(family), engine_config(), warmup=False, show_progress=False,
+                    dtype="bfloat16", parallel_config=ParallelConfig(tp)) as llm:
+            runs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+            assert llm.model.config.packed_weights == kernels_serve("bfloat16")
+    assert runs[2] == runs[1]
