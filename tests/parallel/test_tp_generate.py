@@ -15,8 +15,8 @@ from esurge import EngineSettings, ParallelConfig, eSurge
 from esurge.errors import InvalidConfigError
 from esurge.models.loader import load_model
 from esurge.spec_decode.config import EagleLayout
-from tests.models.gguf_export import export_gguf
 from tests.engine.conftest import mixed_prompts
+from tests.models.gguf_export import export_gguf
 from tests.parallel.conftest import GREEDY, Run, assert_same_run, engine_config, run_workload
 from tests.spec_decode.helpers import random_head, spec_config
 
