@@ -25,10 +25,10 @@ from esurge.models.batch import ForwardBatch
 from esurge.models.decoder import CausalLM
 from esurge.models.kv_cache import KVCache
 
-__all__ = ["ModelState", "Params", "forward", "jit_forward"]
+__all__ = ["HashedGraph", "ModelState", "Params", "forward", "jit_forward"]
 
 
-class _HashedGraph:
+class HashedGraph:
     """A graph definition with its hash computed once.
 
     jit hashes the static part of its arguments on every call; hashing an nnx
@@ -42,7 +42,7 @@ class _HashedGraph:
 
     __slots__ = ("_hash", "graphdef")
 
-    def __init__(self, graphdef: nnx.GraphDef[CausalLM]) -> None:
+    def __init__(self, graphdef: nnx.GraphDef[Any]) -> None:
         self.graphdef = graphdef
         self._hash = hash(graphdef)
 
@@ -50,7 +50,7 @@ class _HashedGraph:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _HashedGraph):
+        if not isinstance(other, HashedGraph):
             return NotImplemented
         if self.graphdef is other.graphdef:
             return True
@@ -72,7 +72,7 @@ class ModelState:
     __slots__ = ("_static", "params")
 
     def __init__(self, graphdef: nnx.GraphDef[CausalLM], params: Params) -> None:
-        self._static = _HashedGraph(graphdef)
+        self._static = HashedGraph(graphdef)
         self.params = params
 
     @property
@@ -84,11 +84,11 @@ class ModelState:
         """The nnx module holding these parameters."""
         return nnx.merge(self.graphdef, self.params)
 
-    def _flatten(self) -> tuple[tuple[Params], _HashedGraph]:
+    def _flatten(self) -> tuple[tuple[Params], HashedGraph]:
         return (self.params,), self._static
 
     @classmethod
-    def _unflatten(cls, static: _HashedGraph, children: tuple[Params]) -> ModelState:
+    def _unflatten(cls, static: HashedGraph, children: tuple[Params]) -> ModelState:
         state = cls.__new__(cls)
         state._static, state.params = static, children[0]
         return state

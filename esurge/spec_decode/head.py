@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from esurge.models.decoder_config import Activation
+from esurge.models.forward import HashedGraph
 from esurge.models.layers import Embedding, Linear, RMSNorm
 from esurge.models.packed_linear import PackedLinear
 from esurge.models.rope import apply_rope
@@ -190,23 +191,22 @@ class EagleState:
     (zeros for EAGLE-1, whose vocabulary is the target's).
     """
 
-    __slots__ = ("_graphdef", "_hash", "d2t", "params")
+    __slots__ = ("_static", "d2t", "params")
 
     def __init__(self, graphdef: nnx.GraphDef[EagleHead], params: HeadParams,
                  d2t: jax.Array) -> None:
-        self._graphdef = graphdef
-        self._hash = hash(graphdef)
+        self._static = HashedGraph(graphdef)
         self.params = params
         self.d2t = d2t
 
     @property
     def graphdef(self) -> nnx.GraphDef[EagleHead]:
         """The static nnx graph definition."""
-        return self._graphdef
+        return self._static.graphdef
 
     def module(self) -> EagleHead:
         """The nnx module holding these parameters."""
-        return nnx.merge(self._graphdef, self.params)
+        return nnx.merge(self.graphdef, self.params)
 
     @property
     def config(self) -> EagleConfig:
@@ -215,40 +215,20 @@ class EagleState:
 
     def replace_params(self, params: HeadParams) -> EagleState:
         """The same head with other parameter values (training)."""
-        return EagleState(self._graphdef, params, self.d2t)
-
-    def _flatten(self) -> tuple[tuple[HeadParams, jax.Array], _StaticGraph]:
-        return (self.params, self.d2t), _StaticGraph(self._graphdef, self._hash)
-
-    @classmethod
-    def _unflatten(cls, static: _StaticGraph, children: tuple[HeadParams, jax.Array]
-                   ) -> EagleState:
-        state = cls.__new__(cls)
-        state._graphdef, state._hash = static.graphdef, static.hash
-        state.params, state.d2t = children
+        state = EagleState.__new__(EagleState)
+        state._static, state.params, state.d2t = self._static, params, self.d2t
         return state
 
+    def _flatten(self) -> tuple[tuple[HeadParams, jax.Array], HashedGraph]:
+        return (self.params, self.d2t), self._static
 
-class _StaticGraph:
-    """A graph definition hashed once (jit hashes static data on every call)."""
-
-    __slots__ = ("graphdef", "hash")
-
-    def __init__(self, graphdef: nnx.GraphDef[EagleHead], hash_: int) -> None:
-        self.graphdef, self.hash = graphdef, hash_
-
-    def __hash__(self) -> int:
-        return self.hash
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _StaticGraph):
-            return NotImplemented
-        if self.graphdef is other.graphdef:
-            return True
-        if self.hash != other.hash or self.graphdef != other.graphdef:
-            return False
-        other.graphdef = self.graphdef  # equal: compare by identity from now on
-        return True
+    @classmethod
+    def _unflatten(cls, static: HashedGraph, children: tuple[HeadParams, jax.Array]
+                   ) -> EagleState:
+        state = cls.__new__(cls)
+        state._static = static
+        state.params, state.d2t = children
+        return state
 
 
 jax.tree_util.register_pytree_node(EagleState, EagleState._flatten, EagleState._unflatten)
