@@ -99,7 +99,18 @@ class EngineBridge:
         # Few workers: tokenizing is CPU work, bounded per request by the
         # engine's text length limit; more threads would only contend.
         self._tokenizing = ThreadPoolExecutor(max_workers=2, thread_name_prefix="esurge-tokenize")
-        self.num_submitting = 0
+        # Requests on their way into the scheduler. A request leaves this set on
+        # the engine loop's thread the moment the loop accepts it (it is counted
+        # as waiting in the loop's next stats from then): left on the event loop
+        # instead, a burst of streams was counted twice for a moment, as
+        # submitting and as waiting, and refused as overload well under the
+        # limit (32 streams against a limit of 40).
+        self._submitting: set[str] = set()
+
+    @property
+    def num_submitting(self) -> int:
+        """Requests submitted here that the engine loop has not accepted yet."""
+        return len(self._submitting)
 
     def is_live(self, request_id: str) -> bool:
         """True while the request was submitted here and has not ended."""
@@ -126,7 +137,7 @@ class EngineBridge:
         submit = functools.partial(self._submit_now, request_id, prompt, params, priority,
                                    cache_salt)
         self._sinks[request_id] = sink
-        self.num_submitting += 1
+        self._submitting.add(request_id)
         queued: asyncio.Future[Future[None]] | None = None
         try:
             if isinstance(prompt, str | ChatPrompt) or params.bad_words:
@@ -152,13 +163,14 @@ class EngineBridge:
             self._sinks.pop(request_id, None)
             raise
         finally:
-            self.num_submitting -= 1
+            self._submitting.discard(request_id)
 
     def _submit_now(self, request_id: str, prompt: Prompt, params: SamplingParams,
                     priority: int, cache_salt: str | None) -> Future[None]:
         _, accepted = self.engine.submit_nowait(
             prompt, params, lambda item: self._from_engine(request_id, item),
             request_id=request_id, priority=priority, cache_salt=cache_salt)
+        accepted.add_done_callback(lambda _: self._submitting.discard(request_id))
         return accepted
 
     def _abandon(self, request_id: str, queued: asyncio.Future[Future[None]]) -> None:
