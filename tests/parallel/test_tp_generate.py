@@ -13,6 +13,7 @@ import pytest
 
 from esurge import EngineSettings, ParallelConfig, eSurge
 from esurge.errors import InvalidConfigError
+from esurge.models.cpu_kernels import cpu_has_bf16_dot
 from esurge.models.loader import load_model
 from esurge.spec_decode.config import EagleLayout
 from tests.engine.conftest import mixed_prompts
@@ -132,17 +133,17 @@ def test_a_gguf_checkpoint(tmp_path: Path, checkpoint: Callable[..., Path],
     assert_same_run(tp_run(gguf_path, 2), reference("llama"))
 
 
+@pytest.mark.skipif(not cpu_has_bf16_dot(), reason="bfloat16 panels need AVX512_BF16 (XLA's "
+                    "bfloat16 path sums shards in another order: not this test's subject)")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: qkv bias, a tied head
 def test_bfloat16_panels_split_over_devices_keep_the_tokens(
         family: str, checkpoint: Callable[..., Path]) -> None:
     # bfloat16 panels pair their input rows; shards must cut between pairs.
-    from esurge.models.cpu_kernels import kernels_serve
-
     prompts = mixed_prompts(4, vocab=250)
     runs: dict[int, list[list[int]]] = {}
     for tp in (1, 2):
         with eSurge(checkpoint(family), engine_config(), warmup=False, show_progress=False,
                     dtype="bfloat16", parallel_config=ParallelConfig(tp)) as llm:
             runs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-            assert llm.model.config.packed_weights == kernels_serve("bfloat16")
+            assert llm.model.dtype == "bfloat16" and llm.model.config.packed_weights
     assert runs[2] == runs[1]
