@@ -214,6 +214,8 @@ class eSurgeRunner:
         if self.spec is not None:
             self.spec.release(gone)
         for new in so.scheduled_new_reqs:
+            if self.spec is not None:
+                self.spec.admit(new)
             if new.grammar is not None:
                 self.grammars.add(new.req_id, new.grammar, _stop_ids(new),
                                   new.output_token_ids)

@@ -47,7 +47,7 @@ from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
-from esurge.scheduler.output import SchedulerOutput
+from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.spec_decode.checkpoint import load_eagle_head
 from esurge.spec_decode.config import EagleLayout
 from esurge.spec_decode.policy import SpeculationPolicy
@@ -131,6 +131,16 @@ class SpecDecoder:
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
                  self.window)
+
+    def admit(self, new: NewRequestData) -> None:
+        """A request entering the batch: one the policy keeps from drafting (a
+        seeded sample, see SpeculationPolicy.drafts_seeded_samples) counts as
+        unsynced from the start, so a batch of such requests runs plain steps
+        rather than speculative ones without drafts."""
+        params = new.sampling_params
+        if (not self.policy.drafts_seeded_samples and params.seed is not None
+                and params.temperature > 0):
+            self.unsynced.add(new.req_id)
 
     def speculates(self, so: SchedulerOutput) -> bool:
         """True when this step runs speculatively: drafts to verify, or a request
@@ -238,8 +248,6 @@ class SpecDecoder:
                             bool, num_reqs)
         unsynced = np.fromiter((r in self.unsynced for r in inputs.req_ids), bool, num_reqs)
         eligible = inputs.samples & ~dense & ~unsynced
-        if not self.policy.drafts_seeded_samples:
-            eligible &= ~self._seeded_samples(ib, inputs.rows)
         propose_mask = np.zeros(r_bucket, bool)
         propose_mask[:num_reqs] = eligible
         g = self.group
@@ -250,11 +258,6 @@ class SpecDecoder:
             first_row=first_row, propose=propose_mask,
             temperature=np.asarray(tensors.temperature, np.float32))
         return draft_batch, eligible
-
-    @staticmethod
-    def _seeded_samples(ib: InputBatch, rows: np.ndarray) -> np.ndarray:  # [num_reqs] bool
-        return np.fromiter((ib.params[r].seed is not None and ib.params[r].temperature > 0
-                            for r in rows.tolist()), bool, len(rows))
 
     def finish(self, ib: InputBatch, inputs: StepInputs, step: SpecStep
                ) -> tuple[list[list[int]], list[list[int]]]:
