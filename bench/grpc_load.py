@@ -16,12 +16,16 @@ and the script prints time to first token and inter-token latency (p50/p99,
 gRPC side), generated tokens/s of both and their ratio (goal: >= 0.9 at 64),
 and the serving process's CPU time per generated token (the server's, read
 from /proc; the engine's in process) and its ratio (goal: <= 1.1), and the
-tokens per stream message (above 1 with decode bursts, --decode-steps). The
-load-generating clients run in this process, on the same cores: wall
-tokens/s is shared with them, server CPU per token is not.
+tokens per stream message (above 1 with decode bursts, --decode-steps, or
+when a stream fell behind and joins the steps it missed), and the clients'
+CPU per token. The load-generating clients run in this process, on the same
+cores: wall tokens/s is shared with them, server CPU per token is not.
+`bench/grpc_floor.py` measures grpcio's own cost per call and per message,
+the part of the difference no service code can remove.
 Both engines share a JAX compilation cache, so the server warms up quickly.
 
-    .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--decode-steps K] [--keep DIR]
+    .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--decode-steps K]
+        [--max-num-batched-tokens B] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PROMPTS, MIN_LEN, MAX_LEN, NEW_TOKENS = 32, 64, 128, 64
-ENGINE_FLAGS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--max-model-len",
+ENGINE_FLAGS = ["--max-num-seqs", "64", "--max-model-len",
                 "256", "--enable-chunked-prefill", "--num-pages", "1100", "--page-size", "16",
                 "--max-num-seq-buckets", "4,16,64", "--max-queued-requests", "1024"]
 
@@ -102,6 +106,7 @@ class Result:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     cpu_s: float = 0.0  # CPU seconds of the serving process (the engine's, or the server's)
+    client_cpu_s: float = 0.0  # CPU seconds of this process's clients (gRPC side)
     messages: int = 0  # stream messages that carried tokens (gRPC side)
 
     @property
@@ -218,9 +223,10 @@ def measure(engine: object, target: str, server_pid: int, prompts: list[list[int
         requests = [prompts[i % PROMPTS] for i in range(max(n, PROMPTS))]
         for _ in range(repeats):
             lo = in_process(engine, requests, n)
-            cpu = process_cpu_s(server_pid)
+            cpu, own = process_cpu_s(server_pid), time.process_time()
             r = asyncio.run(over_grpc(target, requests, n, channels))
             r.cpu_s = process_cpu_s(server_pid) - cpu
+            r.client_cpu_s = time.process_time() - own
             if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
                 local[n] = lo
             if n not in remote or r.tokens_per_s > remote[n].tokens_per_s:
@@ -234,7 +240,7 @@ def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result
     """The results table; CPU is µs of the serving process's CPU per generated token."""
     print(f"{'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'gRPC tok/s':>10} {'local tok/s':>11} {'ratio':>6} {'gRPC CPU':>9} "
-          f"{'local CPU':>9} {'ratio':>6} {'tok/msg':>7}")
+          f"{'local CPU':>9} {'ratio':>6} {'tok/msg':>7} {'client CPU':>10}")
     for n in counts:
         r, lo = remote[n], local[n]
         print(f"{n:>7} {percentile(r.ttft, .5):>7.1f}ms {percentile(r.ttft, .99):>7.1f}ms "
@@ -242,7 +248,7 @@ def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result
               f"{r.tokens_per_s:>10.0f} {lo.tokens_per_s:>11.0f} "
               f"{r.tokens_per_s / lo.tokens_per_s:>6.2f} {r.cpu_us_per_token:>7.0f}us "
               f"{lo.cpu_us_per_token:>7.0f}us {r.cpu_us_per_token / lo.cpu_us_per_token:>6.2f} "
-              f"{r.tokens / max(r.messages, 1):>7.2f}")
+              f"{r.tokens / max(r.messages, 1):>7.2f} {1e6 * r.client_cpu_s / r.tokens:>8.0f}us")
 
 
 def main() -> None:
@@ -253,6 +259,9 @@ def main() -> None:
                              "(default: a temp dir)")
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="decode bursts for both engines (esurge-serve --decode-steps)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="token budget per step for both engines; a burst of K steps "
+                             "over 64 rows needs 64 K (512 for --decode-steps 8)")
     parser.add_argument("--channels", type=int, default=None,
                         help="HTTP/2 connections the clients share (default: one each)")
     parser.add_argument("--repeats", type=int, default=2,
@@ -270,7 +279,8 @@ def main() -> None:
         prompts = w1_prompts(model_dir)
         from esurge.engine.api import eSurge
 
-        flags = [*ENGINE_FLAGS, "--decode-steps", str(args.decode_steps)]
+        flags = [*ENGINE_FLAGS, "--decode-steps", str(args.decode_steps),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         config, settings = engine_setup(flags)
         engine = eSurge(model_dir, config, settings=settings,  # type: ignore[arg-type]
                         show_progress=False)

@@ -19,7 +19,7 @@ from service.convert import (
     token_logprobs_to_proto,
 )
 
-__all__ = ["RequestCursor", "SampleDelta", "sample_request_id"]
+__all__ = ["RequestCursor", "SampleDelta", "coalesce", "sample_request_id"]
 
 
 def sample_request_id(request_id: str, index: int, n: int) -> str:
@@ -51,6 +51,30 @@ class SampleDelta:
     stop_reason: int | str | None
     completion_tokens: int
     events: list[engine_pb2.EngineCoreEvent] = field(default_factory=list)
+
+
+def coalesce(parts: list[SampleDelta]) -> list[SampleDelta]:
+    """One part per sample: the parts of steps a reader fell behind on, joined.
+
+    Nothing waits for this: it only joins what is already queued, so a stream
+    that keeps up still sends a message per step, and one that fell behind
+    sends one message instead of one per missed step.
+    """
+    joined: dict[int, SampleDelta] = {}
+    for part in parts:
+        head = joined.get(part.index)
+        if head is None:
+            joined[part.index] = part
+            continue
+        joined[part.index] = SampleDelta(
+            index=head.index, first=head.first,
+            token_ids=(*head.token_ids, *part.token_ids), text=head.text + part.text,
+            logprobs=[*head.logprobs, *part.logprobs],
+            num_draft_tokens=head.num_draft_tokens + part.num_draft_tokens,
+            num_accepted_tokens=head.num_accepted_tokens + part.num_accepted_tokens,
+            finish_reason=part.finish_reason, stop_reason=part.stop_reason,
+            completion_tokens=part.completion_tokens, events=[*head.events, *part.events])
+    return list(joined.values())
 
 
 @dataclass(slots=True)

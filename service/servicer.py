@@ -42,7 +42,7 @@ from service.errors import (
     unavailable,
 )
 from service.health import Phase, ServingState
-from service.responses import RequestCursor
+from service.responses import RequestCursor, SampleDelta, coalesce
 from service.unary import UnaryCollector
 
 if TYPE_CHECKING:
@@ -154,27 +154,41 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
             gen, request_id, sink = await self._start(bridge, request.request, context)
             cursor = RequestCursor(request_id, gen.sampling_params.n, gen.return_text,
                                    gen.return_events)
+            prompt_logprobs: list[engine_pb2.PositionLogprobs] = []  # not yet sent
             try:
                 while not cursor.finished:
-                    for _, item in await drain(sink):
-                        for msg in await self._stream_messages(cursor, item, gen, context):
-                            yield msg
+                    items = [item for _, item in await drain(sink)]
+                    for msg in await self._stream_messages(cursor, items, gen, context,
+                                                           prompt_logprobs):
+                        yield msg
             finally:
                 if not cursor.finished:
                     bridge.abort(request_id)
 
-    async def _stream_messages(self, cursor: RequestCursor, item: BridgeItem,
-                               gen: GenerationRequest,
-                               context: Any) -> list[service_pb2.GenerateResponse]:
-        if isinstance(item, EngineDeadError):
-            await abort_with_status(context, internal(f"the engine failed: {item}"))
-        deltas = cursor.advance(item) if isinstance(item, RequestDelta) else (
-            cursor.abort_remaining())
+    async def _stream_messages(self, cursor: RequestCursor, items: list[BridgeItem],
+                               gen: GenerationRequest, context: Any,
+                               prompt_logprobs: list[engine_pb2.PositionLogprobs]
+                               ) -> list[service_pb2.GenerateResponse]:
+        """The messages for what arrived since the last send: one per sample.
+
+        Prompt logprobs ride on the first message; a prefill chunk that sends
+        none keeps its entries in `prompt_logprobs` for the next one.
+        """
+        parts: list[SampleDelta] = []
+        for item in items:
+            if isinstance(item, EngineDeadError):
+                await abort_with_status(context, internal(f"the engine failed: {item}"))
+            if isinstance(item, RequestDelta):
+                parts.extend(cursor.advance(item))
+                prompt_logprobs.extend(cursor.new_prompt_logprobs(item))
+            else:
+                parts.extend(cursor.abort_remaining())
         messages = [cursor.generate_response(d, with_prompt_ids=gen.return_prompt_token_ids,
                                              total_drafts=cursor.sample_totals(d.index))
-                    for d in deltas]
-        if messages and isinstance(item, RequestDelta):
-            messages[0].prompt_logprobs.extend(cursor.new_prompt_logprobs(item))
+                    for d in coalesce(parts)]
+        if messages and prompt_logprobs:
+            messages[0].prompt_logprobs.extend(prompt_logprobs)
+            prompt_logprobs.clear()
         return messages
 
     async def GenerateUnary(self, request: service_pb2.GenerateUnaryRequest,
