@@ -12,6 +12,10 @@ After the target step, one jitted call runs:
 3. k - 1 single-token passes (a `lax.scan`), each feeding back the previous
    draft token and the draft's own hidden state one position further.
 
+A batch with constrained requests stops after step 2 (`propose_first`); the
+runner then draws each draft with `masked_draft_step` under the grammar mask
+the host computed from the drafts before it.
+
 The draft KV cache is its own pytree over the same page ids as the target's
 (indexed by one cache group's page tables), so it is allocated and freed with
 the request's pages and needs no bookkeeping of its own.
@@ -34,7 +38,8 @@ from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleHead, EagleState
 
-__all__ = ["AttentionWindow", "DraftBatch", "DraftKVCache", "init_draft_cache", "propose"]
+__all__ = ["AttentionWindow", "DraftBatch", "DraftKVCache", "FirstDraft", "init_draft_cache",
+           "masked_draft_step", "propose", "propose_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,14 +166,16 @@ def _step_slots(page_tables: jax.Array, positions: jax.Array, live: jax.Array,
 
 
 @dataclass(frozen=True)
-class _FirstDraft:
+class FirstDraft:
+    """A draft position's state: its token, distribution, hidden state and position."""
+
     token: jax.Array  # [R] int32
     probs: jax.Array | None  # [R, V]
     hidden: jax.Array  # [R, H]
     position: jax.Array  # [R] int32, 0 for requests without drafts
 
 
-jax.tree_util.register_dataclass(_FirstDraft, data_fields=["token", "probs", "hidden", "position"],
+jax.tree_util.register_dataclass(FirstDraft, data_fields=["token", "probs", "hidden", "position"],
                                  meta_fields=[])
 
 
@@ -176,7 +183,7 @@ jax.tree_util.register_dataclass(_FirstDraft, data_fields=["token", "probs", "hi
 def _propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
                    batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
                    num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
-                   ) -> tuple[_FirstDraft, DraftKVCache]:
+                   ) -> tuple[FirstDraft, DraftKVCache]:
     """The pass over the step's token rows and the first draft token (jitted per (T, R))."""
     head, target = head_state.module(), target_state.module()
     hidden, pos, cache = _first_pass(head, target, cache, batch, features, out_tokens,
@@ -185,13 +192,13 @@ def _propose_first(head_state: EagleState, cache: DraftKVCache, target_state: Mo
                          None if noise is None else noise[0], head_state.d2t,
                          head.config.vocab_size)
     pos = jnp.where(jnp.asarray(batch.propose), pos, 0)
-    return _FirstDraft(token, probs, hidden, pos), cache
+    return FirstDraft(token, probs, hidden, pos), cache
 
 
 @partial(jax.jit, static_argnames=("num_steps", "window"), donate_argnums=(1,))
 def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
                   page_tables: jax.Array, live: jax.Array, temperature: jax.Array,
-                  first: _FirstDraft, noise: jax.Array | None, *, num_steps: int,
+                  first: FirstDraft, noise: jax.Array | None, *, num_steps: int,
                   window: AttentionWindow) -> tuple[jax.Array, jax.Array | None, DraftKVCache]:
     """Draft tokens 2..k, one position per step (jitted per R only)."""
     # page_tables: [R, P], live: [R] bool, temperature: [R], noise: [k, R, Vd] or None
@@ -222,6 +229,59 @@ def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: Mod
         all_probs = jnp.concatenate([first.probs[:, None], jnp.swapaxes(more_probs, 0, 1)],
                                     axis=1)
     return drafts, all_probs, DraftKVCache(final[0], final[1])
+
+
+def _grammar_masked(logits: jax.Array, allowed: jax.Array, d2t: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits [R, Vd] with the tokens a packed target-vocabulary
+    mask ([R, W] int32) refuses at -inf; a row the mask leaves nothing in the
+    draft vocabulary keeps its logits (the host cuts that draft)."""
+    target_ids = jnp.arange(logits.shape[-1]) + d2t  # [Vd]
+    words = jnp.take(allowed, target_ids >> 5, axis=1)  # [R, Vd]
+    ok = ((words >> (target_ids & 31)) & 1).astype(bool)
+    masked = jnp.where(ok, logits, -jnp.inf)
+    return jnp.where(ok.any(axis=-1, keepdims=True), masked, logits)
+
+
+@partial(jax.jit, static_argnames=("window",), donate_argnums=(1,))
+def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+                      page_tables: jax.Array, live: jax.Array, temperature: jax.Array,
+                      prev: FirstDraft, noise: jax.Array | None, allowed: jax.Array,
+                      advance: jax.Array, *, window: AttentionWindow
+                      ) -> tuple[FirstDraft, DraftKVCache]:
+    """One draft position under a grammar mask (jitted per R only).
+
+    With advance false it draws the first draft again from `prev`'s hidden
+    state (the one `propose_first` left); with advance true it runs the head
+    one position past `prev`, as a step of `_propose_rest` does. The host
+    computes each mask from the drafts before it, so a constrained request's
+    drafts follow its grammar.
+    """
+    # page_tables: [R, P], live: [R] bool, temperature: [R], noise: [R, Vd] or None,
+    # allowed: [R, W] int32 packed over the target vocabulary, advance: [] bool
+    head, target = head_state.module(), target_state.module()
+    config = head.config
+    rows = jnp.arange(page_tables.shape[0])
+    moving = live & advance
+    pos = jnp.where(moving, prev.position + 1, prev.position)
+    metadata = AttentionMetadata(pos, rows, page_tables, jnp.asarray(rows.shape[0]))
+    slots = _step_slots(page_tables, pos, moving, cache.page_size)
+    attend = _PagedAttend(cache, metadata, slots, config, window)
+    rope = rope_cos_sin(config.rope, config.head_dim, pos, pos + 1)
+    stepped = head.step(prev.hidden, head.embed(prev.token, target), rope, attend)
+    hidden = jnp.where(advance, stepped, prev.hidden)
+    logits = _grammar_masked(head.logits(hidden, target), allowed, head_state.d2t)
+    token, probs = _draw(logits, temperature, noise, head_state.d2t, config.vocab_size)
+    return FirstDraft(token, probs, hidden, pos), attend.cache()
+
+
+def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+                  batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
+                  num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
+                  ) -> tuple[FirstDraft, DraftKVCache]:
+    """The pass over a step's rows and an unmasked first draft; `masked_draft_step`
+    continues from it when drafts must follow a grammar. The cache is donated."""
+    return _propose_first(head_state, cache, target_state, batch, features, out_tokens,
+                          num_out, noise, window=window)
 
 
 def propose(

@@ -99,6 +99,19 @@ class GrammarBatch:
             matcher.fix_stops(out[i])
         return out
 
+    def prefix_masks(self, req_ids: Sequence[str], prefixes: Sequence[list[int] | None],
+                     bucket: int) -> tuple[np.ndarray, list[bool]]:
+        """([bucket, words] int32, ok per request): each request's mask after its
+        drafts so far (None: not drafting; unconstrained: all set); ok is False
+        where the grammar refuses those drafts."""
+        out = np.full((bucket, self.words), -1, np.int32)
+        ok = [prefix is not None for prefix in prefixes]
+        for i, (rid, prefix) in enumerate(zip(req_ids, prefixes, strict=True)):
+            matcher = self._matchers.get(rid)
+            if prefix is not None and matcher is not None:
+                ok[i] = matcher.fill_after(out[i], prefix)
+        return out, ok
+
     def draft_masks(self, req_ids: Sequence[str], samples: np.ndarray,  # [n] bool
                     drafts: np.ndarray,  # [bucket, k] int32
                     num_drafts: np.ndarray,  # [bucket] int32

@@ -107,6 +107,21 @@ class GrammarMatcher:
             n += accepting
         return n
 
+    def fill_after(self, row: np.ndarray, tokens: Sequence[int]) -> bool:
+        """Write the mask after `tokens` (drafts not yet verified) into row ([W]
+        int32) and leave the state as it was; False, row untouched, when the
+        grammar refuses one of them or one is a stop token (nothing is drafted
+        past a stop)."""
+        if not self.live or any(t in self.stop_ids for t in tokens):
+            return False
+        consumed = self._matcher.try_consume_tokens([int(t) for t in tokens]) if tokens else 0
+        ok = consumed == len(tokens)
+        if ok:
+            self.fill(row)
+        if consumed:
+            self._matcher.rollback(consumed)
+        return ok
+
     def fill_with_drafts(self, rows: np.ndarray, drafts: Sequence[int]) -> None:
         """Masks for a draft's positions: rows[j] ([S, W] int32) is the mask after
         drafts[:j]; rows past the first draft the grammar refuses allow all (the

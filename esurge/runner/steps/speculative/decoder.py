@@ -55,8 +55,10 @@ from esurge.spec_decode.proposer import (
     AttentionWindow,
     DraftBatch,
     DraftKVCache,
+    FirstDraft,
     init_draft_cache,
     propose,
+    propose_first,
 )
 from esurge.spec_decode.stats import SpecDecodeStats
 
@@ -69,11 +71,18 @@ _MAX_HOST_GAP = 0.05  # seconds between two steps that still count as host work
 
 @dataclass(slots=True)
 class SpecStep:
-    """A dispatched speculative step: device results plus host facts to read them."""
+    """A dispatched speculative step: device results plus host facts to read them.
+
+    A step whose drafts must follow grammars has no `drafts` yet: `first` and
+    `draft_batch` are where `masked_proposals` continues once the host knows
+    the emitted tokens.
+    """
 
     verified: SpecSamplerOutput
-    drafts: jax.Array  # [R, k] int32
+    drafts: jax.Array | None  # [R, k] int32
     propose: np.ndarray  # [num_reqs] bool
+    first: FirstDraft | None = None
+    draft_batch: DraftBatch | None = None
 
 
 def _draft_group(groups: tuple[Any, ...]) -> tuple[int, AttentionWindow]:
@@ -183,18 +192,27 @@ class SpecDecoder:
 
     def run(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
             inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
-            *, always_draft: bool = False) -> tuple[jax.Array, KVCache, SpecStep]:
+            *, grammar_rows: np.ndarray | None = None, always_draft: bool = False,
+            always_masked: bool = False) -> tuple[jax.Array, KVCache, SpecStep]:
         """Target forward, verification and proposal: (final hidden [T, H], cache, step).
 
-        always_draft runs the whole proposer even when no request gets drafts (warm-up).
+        When a request that drafts follows a grammar (grammar_rows [num_reqs]
+        bool), the proposal stops after the first pass: its drafts are drawn
+        under masks once the emitted tokens are known (`masked_proposals`).
+        always_draft runs the whole proposer even when no request gets drafts,
+        always_masked stops after the first pass (both for warm-up).
         """
         logits, hidden, features, kv_cache = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers)
-        r_bucket = inputs.num_reqs_bucket
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
                               variant, self.draft_vocab)
         draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
+        if always_masked or (grammar_rows is not None and (eligible & grammar_rows).any()):
+            first, self.cache = propose_first(
+                self.head, self.cache, model_state, draft_batch, features, verified.token_ids,
+                verified.num_out, verified.draft_noise, window=self.window)
+            return hidden, kv_cache, SpecStep(verified, None, eligible, first, draft_batch)
         # Without a request to draft for (prefill chunks only), the pass that writes
         # the draft's cache for this step's tokens is all that is needed.
         new_drafts, probs, self.cache = propose(
@@ -203,12 +221,17 @@ class SpecDecoder:
             num_drafts=self.num_spec if always_draft or eligible.any() else 1,
             window=self.window)
         if probs is not None and (always_draft or eligible.any()):
-            slots = np.full(r_bucket, self._sink, np.int32)
-            sampled = eligible & (ib.sampling.temperature[inputs.rows] > 0)
-            for i in np.flatnonzero(sampled).tolist():
-                slots[i] = self._slot(inputs.req_ids[i])
-            self.prob_buffer = store_draft_probs(self.prob_buffer, slots, probs)
+            self.store_probs(ib, inputs, eligible, probs)
         return hidden, kv_cache, SpecStep(verified, new_drafts, eligible)
+
+    def store_probs(self, ib: InputBatch, inputs: StepInputs, eligible: np.ndarray,
+                    probs: jax.Array) -> None:  # probs: [R, k, V]
+        """Keep the draft distributions of sampled requests until verification."""
+        slots = np.full(inputs.num_reqs_bucket, self._sink, np.int32)
+        sampled = eligible & (ib.sampling.temperature[inputs.rows] > 0)
+        for i in np.flatnonzero(sampled).tolist():
+            slots[i] = self._slot(inputs.req_ids[i])
+        self.prob_buffer = store_draft_probs(self.prob_buffer, slots, probs)
 
     def scheduled_drafts(self, ib: InputBatch, inputs: StepInputs
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -264,7 +287,7 @@ class SpecDecoder:
         """Record the emitted tokens; (emitted ids, next drafts) per scheduled request."""
         tokens = to_host(step.verified.token_ids)
         num_out = to_host(step.verified.num_out)
-        drafts = to_host(step.drafts)
+        drafts = None if step.drafts is None else to_host(step.drafts)
         emitted: list[list[int]] = []
         proposals: list[list[int]] = []
         verifications = drafted = accepted = 0
@@ -282,14 +305,17 @@ class SpecDecoder:
             ib.sampling.observe(row, new)
             if nd:
                 verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
-            proposals.append(self._allowed_drafts(ib, row, start + n, drafts[i])
-                             if step.propose[i] else [])
+            proposals.append(self.allowed_drafts(ib, inputs, i, n, drafts[i])
+                             if step.propose[i] and drafts is not None else [])
         self.stats.record(verifications, drafted, accepted)
         return emitted, proposals
 
-    def _allowed_drafts(self, ib: InputBatch, row: int, num_tokens: int,
-                        drafts: np.ndarray) -> list[int]:
-        """Drafts that could still be emitted: none past max_tokens or max_model_len."""
+    def allowed_drafts(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
+                       drafts: np.ndarray) -> list[int]:
+        """Request i's drafts that could still be emitted after the step's
+        num_emitted tokens: none past max_tokens or max_model_len."""
+        row = ib.row_of[inputs.req_ids[i]]
+        num_tokens = int(inputs.seq_lens[i]) - int(inputs.num_drafts[i]) + num_emitted
         limit = self.num_spec
         max_tokens = ib.params[row].max_tokens
         if max_tokens is not None:

@@ -3,8 +3,8 @@
 With Eagle on, a step is one of these (they run synchronously) where the
 runner's speculation policy says drafting pays, or drafts wait for
 verification; the others are plain steps. A constrained request's drafts
-are verified under the masks its grammar gives after each draft, and its
-next proposals are cut before the first draft the grammar refuses.
+are drawn under its grammar's masks (`masked.py`) and verified under the
+masks its grammar gives after each draft.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from esurge.runner.steps.base import PendingStep, Program, StepPlan, WarmupPlan
 from esurge.runner.steps.padding import padding_inputs, with_tiles
 from esurge.runner.steps.plain import sampling_tensors
 from esurge.runner.steps.speculative.decoder import SpecDecoder, SpecStep
+from esurge.runner.steps.speculative.masked import masked_proposals, warm_masked_step
 from esurge.runner.steps.speculative.verify import verify_jit
 
 if TYPE_CHECKING:
@@ -48,10 +49,12 @@ class SpeculativeStep:
         runner, inputs = self.runner, plan.inputs
         tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
                                       allowed=self._masks(inputs, plan.constrained))
-        device = runner.device
+        device, grammars = runner.device, runner.grammars
+        grammar_rows = (np.fromiter((rid in grammars for rid in inputs.req_ids), bool,
+                                    len(inputs.req_ids)) if plan.constrained else None)
         hidden, device.kv_cache, step = self.spec.run(
             runner.model.model_state, device.kv_cache, runner.input_batch, inputs, tensors,
-            plan.variant)
+            plan.variant, grammar_rows=grammar_rows)
         plp = runner.prompt_logprobs.compute(runner.input_batch, inputs, hidden)
         return PendingStep(self, inputs, None, plp, extra=step)
 
@@ -69,12 +72,18 @@ class SpeculativeStep:
             return ModelRunnerOutput.empty()
         ib, grammars = self.runner.input_batch, self.runner.grammars
         emitted, proposals = self.spec.finish(ib, inputs, step)
-        if not self.spec.policy.speculate(len(inputs.req_ids)):
-            proposals = [[] for _ in proposals]  # the next step runs plain
         for i, req_id in enumerate(inputs.req_ids):
             if emitted[i] and req_id in grammars:
                 grammars.advance(req_id, int(inputs.sample_positions[i]), emitted[i])
-                # Drafts the grammar refuses would be rejected: not worth verifying.
+        speculating = self.spec.policy.speculate(len(inputs.req_ids))
+        if step.first is not None and speculating:
+            proposals = masked_proposals(self.spec, self.runner.model.model_state, ib, inputs,
+                                         step, emitted, grammars)
+        if not speculating:
+            proposals = [[] for _ in proposals]  # the next step runs plain
+        for i, req_id in enumerate(inputs.req_ids):
+            if proposals[i] and req_id in grammars:
+                # A draft the grammar refuses would be rejected: not worth verifying.
                 proposals[i] = grammars.valid_drafts(req_id, proposals[i])
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
@@ -107,6 +116,11 @@ class SpeculativeStep:
             _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
                                                      tensors, variant, always_draft=True)
             jax.block_until_ready(step.drafts)
+            # The proposal of a step with constrained requests, drawn one draft at a time.
+            _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
+                                                     tensors, variant, always_masked=True)
+            jax.block_until_ready(warm_masked_step(self.spec, state, step,
+                                                   runner.grammars.all_allowed(requests)))
         # Device outputs of the same program, as verification gets them at run time.
         logits, plan.hidden_of[tokens], _, device.kv_cache = model_step_features(
             state, device.kv_cache, inputs.batch, self.spec.feature_layers)
