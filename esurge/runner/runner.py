@@ -116,7 +116,8 @@ class eSurgeRunner:
         # Request id -> its row in the last plain step's sampled tokens (async feedback).
         self.prev_index: dict[str, int] = {}
         self.prompt_logprobs = PromptLogprobsComputer(model.model_state)
-        self.grammars = GrammarBatch(model.vocab_size)
+        self.grammars = GrammarBatch(model.vocab_size,
+                                     threaded=jax.default_backend() != "cpu")
         self.grammar_feed = GrammarFeed(self.grammars)
         self.spec: SpecDecoder | None = None
         if self.num_spec and config.speculative_config is not None:

@@ -79,3 +79,18 @@ def test_draft_masks_follow_the_drafts_and_drafts_are_cut(
     assert _allowed(batch.masks(["r"], np.array([True]), 1)[0]) == rows[0]
     four = _ids(tokenizer, "1234")
     assert batch.valid_drafts("r", [*four, EOS, *digits]) == [*four, EOS]
+
+
+def test_threaded_and_serial_fills_give_the_same_masks(
+        compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    grammars = [compiler.compile(StructuredOutputsParams(regex=r"[0-9]{2,6}")).result(),
+                compiler.compile(StructuredOutputsParams(choice=("alpha", "beta"))).result()]
+    rows = [f"r{i}" for i in range(8)]
+    masks = []
+    for threaded in (True, False):
+        batch = GrammarBatch(VOCAB, threaded=threaded)
+        for i, rid in enumerate(rows):
+            batch.add(rid, grammars[i % 2], (EOS,), _ids(tokenizer, "12") if i % 2 == 0 else [])
+        masks.append(batch.masks(rows, np.ones(len(rows), bool), 8))
+    assert np.array_equal(masks[0], masks[1])
+    assert EOS in _allowed(masks[1][0]) and EOS not in _allowed(masks[1][1])
