@@ -9,6 +9,15 @@ The shipped head (models/tiny-stdlib-eagle, ~22 min on 2 CPU cores) came from:
         --steps 400 --log-every 20 --distill-prompts 384 --distill-tokens 128 \
         --eval-prompts 32 --eval-k 4
 
+For a chat model (the default SmolLM2-135M-Instruct, a .gguf target works),
+--chat trains on the target's own greedy answers to --distill-prompts chat
+prompts (tools/chat_prompts.py, rendered with the model's chat template) and
+evaluates on prompts about held-out topics:
+
+    .venv/bin/python tools/train_eagle.py --target ~/.cache/esurge/models/\
+        smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf --out H --chat \
+        --draft-vocab 8192 --distill-prompts 576 --distill-tokens 192 --eval-prompts 32
+
 Data: windows of the given text files (default: the standard library files
 of the default model's training split, tools/lm_data.py), plus, with
 --distill-prompts N, the target's own greedy continuations of N training
@@ -83,6 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--distill-prompts", type=int, default=0,
                    help="add the target's greedy continuations of this many prompts")
     p.add_argument("--distill-tokens", type=int, default=192)
+    p.add_argument("--chat", action="store_true",
+                   help="train on the target's answers to chat prompts (tools/chat_prompts.py) "
+                        "instead of text files; evaluate on held-out topics")
     p.add_argument("--eval-prompts", type=int, default=0)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -153,6 +165,61 @@ class TargetFeatures:
                 logits.reshape(b, n, -1))
 
 
+def _target_tokenizer(target_path: Path, target: LoadedModel) -> Tokenizer:
+    """The target's tokenizer: its tokenizer.json, or the one rebuilt from a GGUF."""
+    if target.source_kind == "gguf":
+        if target.hf_tokenizer is None:
+            raise ValueError(f"{target_path} carries no tokenizer")
+        return target.hf_tokenizer.backend_tokenizer
+    return Tokenizer.from_file(str(target_path / "tokenizer.json"))
+
+
+def _chat_config(context: int, spec: SpeculativeConfig | None = None) -> Config:
+    return Config(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048,
+                                  max_model_len=context, chunked_prefill_enabled=True),
+                  CacheConfig(num_pages=None, page_size=PAGE_SIZE, enable_prefix_caching=True),
+                  spec)
+
+
+def _chat_stream(args: argparse.Namespace) -> np.ndarray:
+    """The target's greedy answers to training chat prompts, with their prompts, as one
+    token stream (answers end where the model ends its turn, or at --distill-tokens)."""
+    from esurge import SamplingParams, eSurge
+    from esurge.engine.chat import ChatMessage, ChatPrompt
+    from tools.chat_prompts import chat_prompts
+
+    prompts = chat_prompts("train")[:args.distill_prompts]
+    chats = [ChatPrompt((ChatMessage("user", p),)) for p in prompts]
+    began = time.monotonic()
+    with eSurge(args.target, _chat_config(4 * args.context), show_progress=False,
+                warmup=False) as llm:
+        outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=args.distill_tokens))
+    stream = [t for o in outs for t in [*o.prompt_token_ids, *o.outputs[0].token_ids]]
+    print(f"answered {len(prompts)} chat prompts ({len(stream)} tokens) in "
+          f"{time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
+    return np.asarray(stream, np.int64)
+
+
+def evaluate_chat(target_path: Path, head_dir: Path, num_prompts: int, k: int,
+                  max_tokens: int = 128) -> dict[str, float]:
+    """Mean acceptance length (greedy, k drafts) on chat prompts about held-out topics."""
+    from esurge import SamplingParams, eSurge
+    from esurge.engine.chat import ChatMessage, ChatPrompt
+    from tools.chat_prompts import chat_prompts
+
+    prompts = chat_prompts("heldout")[::max(1, len(chat_prompts("heldout")) // num_prompts)]
+    chats = [ChatPrompt((ChatMessage("user", p),)) for p in prompts[:num_prompts]]
+    with eSurge(target_path, _chat_config(512, SpeculativeConfig(k, str(head_dir))),
+                show_progress=False, warmup=False, speculation="always") as llm:
+        llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens))
+        stats = llm.runner.spec_stats
+    if stats is None:
+        raise RuntimeError("the evaluation engine ran without speculation")
+    return {"k": k, "prompts": len(chats), "mean_acceptance_length":
+            round(stats.mean_acceptance_length, 3),
+            "acceptance_rate": round(stats.acceptance_rate, 3)}
+
+
 def _distilled(target_dir: Path, stream: np.ndarray, args: argparse.Namespace,
                rng: np.random.Generator) -> np.ndarray:
     """Prompts from the stream continued greedily by the target: [N, context] windows."""
@@ -193,9 +260,12 @@ def _batches(stream: np.ndarray, distilled: np.ndarray | None, args: argparse.Na
 def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[str, Any]]:
     """Train the head; returns (state, its config.json, training summary)."""
     target = load_model(args.target, "float32")
-    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    train_files, _ = _text_files(args.text)
-    stream = token_stream(tokenizer, read_texts(tuple(train_files)))
+    if args.chat:
+        stream = _chat_stream(args)
+    else:
+        train_files, _ = _text_files(args.text)
+        stream = token_stream(_target_tokenizer(args.target, target),
+                              read_texts(tuple(train_files)))
     raw = _head_config(args, target)
     layout = EagleLayout(args.layout)
     config = EagleConfig.from_hf_dict(raw, layout, target.config.num_layers)
@@ -205,7 +275,8 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
     rng = np.random.default_rng(args.seed)
     d2t = _d2t(stream, config) if layout is EagleLayout.EAGLE3 else None
     head = init_head(config, seed=args.seed, d2t=None if d2t is None else jnp.asarray(d2t))
-    distilled = _distilled(args.target, stream, args, rng) if args.distill_prompts else None
+    distilled = (_distilled(args.target, stream, args, rng)
+                 if args.distill_prompts and not args.chat else None)
     features = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
                               args.batch_size, args.context)
     warmup = min(args.warmup, args.steps // 2)
@@ -272,7 +343,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     state, raw, summary = train(args)
     save_eagle_head(args.out, raw, state, dtype="bfloat16")
     print(f"saved {args.out}", file=sys.stderr)
-    if args.eval_prompts:
+    if args.eval_prompts and args.chat:
+        summary["eval"] = evaluate_chat(args.target, args.out, args.eval_prompts, args.eval_k)
+        print(f"held-out acceptance: {summary['eval']}", file=sys.stderr)
+    elif args.eval_prompts:
         _, heldout = _text_files(args.text)
         summary["eval"] = evaluate(args.target, args.out, heldout, args.eval_prompts,
                                    args.eval_k, args.seed)
