@@ -103,6 +103,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "context", "unroll", "log_every", "eval_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.chat:
+        from tools.chat_prompts import chat_prompts
+
+        available = len(chat_prompts("train"))
+        if not 1 <= args.distill_prompts <= available:
+            p.error(f"--chat trains on the answers to --distill-prompts prompts: 1 to "
+                    f"{available}, got {args.distill_prompts}")
+        if args.text:
+            p.error("--text and --chat exclude each other: --chat trains on chat answers")
     return args
 
 
@@ -191,7 +200,8 @@ def _chat_stream(args: argparse.Namespace) -> np.ndarray:
     prompts = chat_prompts("train")[:args.distill_prompts]
     chats = [ChatPrompt((ChatMessage("user", p),)) for p in prompts]
     began = time.monotonic()
-    with eSurge(args.target, _chat_config(4 * args.context), show_progress=False,
+    # Room for the rendered prompt (tens of tokens) before the answer.
+    with eSurge(args.target, _chat_config(256 + args.distill_tokens), show_progress=False,
                 warmup=False) as llm:
         outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=args.distill_tokens))
     stream = [t for o in outs for t in [*o.prompt_token_ids, *o.outputs[0].token_ids]]

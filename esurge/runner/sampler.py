@@ -24,6 +24,7 @@ import numpy as np
 from flax import struct
 
 from esurge.sampling_params import MAX_LOGPROBS
+from esurge.structured_output.device_mask import allowed_bits
 
 __all__ = [
     "MAX_LOGPROBS", "SamplerOutput", "SamplerVariant", "SamplingTensors", "apply_dense",
@@ -101,8 +102,7 @@ def apply_grammar(logits: jax.Array,  # [R, V]
                   ) -> jax.Array:
     """Disallowed tokens to -inf."""
     cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-    words = jnp.take(jnp.asarray(allowed, jnp.int32), cols >> 5, axis=1)  # [R, V]
-    return jnp.where(((words >> (cols & 31)) & 1) == 1, logits, _NEG_INF)
+    return jnp.where(allowed_bits(allowed, cols), logits, _NEG_INF)
 
 
 def process(raw: jax.Array,  # [R, V] float32

@@ -37,6 +37,7 @@ from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleHead, EagleState
+from esurge.structured_output.device_mask import allowed_bits
 
 __all__ = ["AttentionWindow", "DraftBatch", "DraftKVCache", "FirstDraft", "init_draft_cache",
            "masked_draft_step", "propose", "propose_first"]
@@ -180,11 +181,13 @@ jax.tree_util.register_dataclass(FirstDraft, data_fields=["token", "probs", "hid
 
 
 @partial(jax.jit, static_argnames=("window",), donate_argnums=(1,))
-def _propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
-                   batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
-                   num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
-                   ) -> tuple[FirstDraft, DraftKVCache]:
-    """The pass over the step's token rows and the first draft token (jitted per (T, R))."""
+def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+                  batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
+                  num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
+                  ) -> tuple[FirstDraft, DraftKVCache]:
+    """The pass over the step's token rows and the first draft token (jitted per (T, R));
+    `masked_draft_step` continues from it when drafts must follow a grammar. The
+    cache is donated."""
     head, target = head_state.module(), target_state.module()
     hidden, pos, cache = _first_pass(head, target, cache, batch, features, out_tokens,
                                      num_out, window)
@@ -235,9 +238,8 @@ def _grammar_masked(logits: jax.Array, allowed: jax.Array, d2t: jax.Array) -> ja
     """Draft-vocabulary logits [R, Vd] with the tokens a packed target-vocabulary
     mask ([R, W] int32) refuses at -inf; a row the mask leaves nothing in the
     draft vocabulary keeps its logits (the host cuts that draft)."""
-    target_ids = jnp.arange(logits.shape[-1]) + d2t  # [Vd]
-    words = jnp.take(allowed, target_ids >> 5, axis=1)  # [R, Vd]
-    ok = ((words >> (target_ids & 31)) & 1).astype(bool)
+    target_ids = (jnp.arange(logits.shape[-1]) + d2t).astype(jnp.int32)  # [Vd]
+    ok = allowed_bits(allowed, target_ids)  # [R, Vd]
     masked = jnp.where(ok, logits, -jnp.inf)
     return jnp.where(ok.any(axis=-1, keepdims=True), masked, logits)
 
@@ -274,16 +276,6 @@ def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state:
     return FirstDraft(token, probs, hidden, pos), attend.cache()
 
 
-def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
-                  batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
-                  num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
-                  ) -> tuple[FirstDraft, DraftKVCache]:
-    """The pass over a step's rows and an unmasked first draft; `masked_draft_step`
-    continues from it when drafts must follow a grammar. The cache is donated."""
-    return _propose_first(head_state, cache, target_state, batch, features, out_tokens,
-                          num_out, noise, window=window)
-
-
 def propose(
     head_state: EagleState,
     cache: DraftKVCache,
@@ -301,8 +293,8 @@ def propose(
 
     The cache is donated: use only the returned one afterwards.
     """
-    first, cache = _propose_first(head_state, cache, target_state, batch, features, out_tokens,
-                                  num_out, noise, window=window)
+    first, cache = propose_first(head_state, cache, target_state, batch, features, out_tokens,
+                                 num_out, noise, window=window)
     if num_drafts == 1:
         return first.token[:, None], None if first.probs is None else first.probs[:, None], cache
     return _propose_rest(head_state, cache, target_state, batch.page_tables, batch.propose,

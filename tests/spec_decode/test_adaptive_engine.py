@@ -45,7 +45,7 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
     # Quick to decide: plain decoding is tried after 2 speculative steps.
     policy = runner.spec.policy = AdaptiveSpeculation(min_samples=2, settle=0)
     jitted: tuple[Any, ...] = (model_step, model_step_features, verify_jit,
-                               proposer._propose_first, proposer._propose_rest)
+                               proposer.propose_first, proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
     # Four prompts admitted in one step, then decoding together (batch 4 throughout).
     batch = [p[:5] for p in prompts(4, seed=6)]

@@ -125,7 +125,7 @@ def test_seeded_sampling_ignores_batch_company(bigram_engine: eSurge) -> None:
 
 def test_no_compile_after_warmup(bigram_engine: eSurge) -> None:
     jitted: tuple[Any, ...] = (model_step_features, verify_jit, store_draft_probs,
-                               prompt_logprobs_step, proposer._propose_first,
+                               prompt_logprobs_step, proposer.propose_first,
                                proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
     bigram_engine.generate(prompts(16, seed=4), [
@@ -167,7 +167,7 @@ def test_partial_acceptance_keeps_tokens(bigram_dirs: tuple[Path, Path], probs: 
 
 
 def test_speculation_off_costs_nothing(bigram_dirs: tuple[Path, Path], probs: np.ndarray) -> None:
-    jitted: tuple[Any, ...] = (model_step_features, verify_jit, proposer._propose_first,
+    jitted: tuple[Any, ...] = (model_step_features, verify_jit, proposer.propose_first,
                                proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
     with eSurge(bigram_dirs[0], spec_config(None, None), show_progress=False,

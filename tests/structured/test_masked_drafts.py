@@ -17,6 +17,7 @@ import pytest
 
 from esurge import SamplingParams, SpeculativeConfig, StructuredOutputsParams
 from esurge.config import CacheConfig, Config, SchedulerConfig
+from esurge.spec_decode.proposer import masked_draft_step
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL, HEAD = REPO / "models" / "tiny-stdlib", REPO / "models" / "tiny-stdlib-eagle"
@@ -41,9 +42,10 @@ def engine() -> Iterator[Any]:
 def test_forced_tokens_are_drafted_and_accepted(engine: Any) -> None:
     forced = SamplingParams(temperature=0.0, max_tokens=60,
                             structured_outputs=StructuredOutputsParams(choice=(SENTENCE,)))
-    before = engine.stats.spec
+    before, compiled = engine.stats.spec, masked_draft_step._cache_size()
     out = engine.generate(["import os\n"], forced)[0].outputs[0]
     after = engine.stats.spec
+    assert masked_draft_step._cache_size() == compiled  # warm-up compiled the masked step
     assert out.text == SENTENCE and str(out.finish_reason) == "stop"
     drafted = after.num_draft_tokens - before.num_draft_tokens
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
@@ -69,8 +71,9 @@ def test_sampled_drafts_under_masks_keep_outputs_valid(engine: Any) -> None:
     schema = JSON_SCHEMAS["person"]
     params = SamplingParams(temperature=1.0, max_tokens=100, n=6, structured_outputs=(
         StructuredOutputsParams(json=schema, disable_any_whitespace=True)))
-    before = engine.stats.spec
+    before, compiled = engine.stats.spec, masked_draft_step._cache_size()
     outs = engine.generate(["    return {"], params)[0].outputs
+    assert masked_draft_step._cache_size() == compiled  # the sampled variant too
     assert engine.stats.spec.num_accepted_tokens > before.num_accepted_tokens
     stopped = [o.text for o in outs if str(o.finish_reason) == "stop"]
     assert stopped, [str(o.finish_reason) for o in outs]
