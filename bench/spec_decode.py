@@ -14,7 +14,10 @@ Eagle engine's mean acceptance length over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
         [--dtype float32] [--speculation adaptive] [--prompts stdlib|random] [--rounds 2]
+        [--scheduling async|sync]
 
+Both engines schedule asynchronously by default (as eSurge(model_dir) does):
+the Eagle engine's plain steps overlap, its speculative ones do not.
 --speculation adaptive (the engine's default) lets the Eagle engine draft only
 at batch sizes where it measured speculation paying (it learns during the
 untimed pass of each batch size); always drafts on every step.
@@ -65,14 +68,15 @@ def random_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
 
 
 def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
-                dtype: str, speculation: str) -> Any:
+                dtype: str, speculation: str, async_scheduling: bool) -> Any:
     from esurge import CacheConfig, Config, SchedulerConfig, SpeculativeConfig, eSurge
 
     spec = SpeculativeConfig(k, str(head)) if head is not None else None
     config = Config(
         SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=512,
                         max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8,
-                        chunked_prefill_enabled=True, max_num_seq_buckets=tuple(batches)),
+                        chunked_prefill_enabled=True, max_num_seq_buckets=tuple(batches),
+                        async_scheduling=async_scheduling),
         CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=False),
         spec,
     )
@@ -100,7 +104,7 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
     in this process. Per batch size: an untimed pass, then --repeats timed ones."""
     batches = [int(b) for b in args.batches.split(",")]
     llm = make_engine(args.model, args.head if eagle else None, args.k, batches, args.dtype,
-                      args.speculation)
+                      args.speculation, args.scheduling == "async")
     out: dict[int, dict[str, float]] = {}
     try:
         make = held_out_prompts if args.prompts == "stdlib" else random_prompts
@@ -140,7 +144,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                      "--head", str(args.head), "--k", str(args.k), "--repeats",
                      str(args.repeats), "--batches", args.batches, "--seed", str(args.seed),
                      "--dtype", args.dtype, "--speculation", args.speculation,
-                     "--prompts", args.prompts]
+                     "--prompts", args.prompts, "--scheduling", args.scheduling]
             done = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)
             result = {int(b): r for b, r in json.loads(done.stdout.splitlines()[-1]).items()}
             for batch, row in result.items():
@@ -169,6 +173,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--speculation", default="adaptive", choices=("adaptive", "always"))
+    p.add_argument("--scheduling", default="async", choices=("async", "sync"),
+                   help="both engines' scheduling (async: the engine's default)")
     p.add_argument("--rounds", type=int, default=2, help="engine processes per engine, in turn")
     p.add_argument("--prompts", default="stdlib", choices=("stdlib", "random"),
                    help="held-out stdlib code (drafts often accepted) or random token ids "

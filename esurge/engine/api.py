@@ -9,7 +9,6 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -60,7 +59,7 @@ def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Confi
     """A config from the checkpoint: its context length, chunked prefill, a
     memory-sized cache with prefix caching, and async scheduling (the next
     step is prepared while one runs: same tokens, ~10% more throughput on
-    W1; speculative decoding turns it off, see runner_config).
+    W1; with speculative decoding only plain steps overlap).
 
     The step budget suits the backend: 16 requests and 256-token steps on CPU
     (as `make serve`), 32 and 2048 elsewhere; max_num_seqs overrides the count.
@@ -74,21 +73,6 @@ def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Confi
             chunked_prefill_enabled=True, async_scheduling=True),
         cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
     )
-
-
-def runner_config(config: Config) -> Config:
-    """The config the runner and scheduler run with.
-
-    Speculative steps run synchronously: the next step's drafts and token
-    count depend on how many drafts this step accepted. async_scheduling=True
-    is honoured as far as it can be: such an engine produces the same tokens,
-    one step at a time.
-    """
-    sched = config.scheduler_config
-    if config.num_speculative_tokens and sched.async_scheduling:
-        log.info("speculative decoding runs steps synchronously; async_scheduling is ignored")
-        return replace(config, scheduler_config=replace(sched, async_scheduling=False))
-    return config
 
 
 def _load_tokenizer(model: LoadedModel, tokenizer_dir: Path | None
@@ -185,7 +169,7 @@ class eSurge:
             self.model, Path(tokenizer_dir) if tokenizer_dir else None)
         self.grammars = StructuredOutputs(self.tokenizer, self.model.vocab_size,
                                           self.model.eos_token_ids)
-        self.runner = eSurgeRunner(self.model, runner_config(self.config), self.settings)
+        self.runner = eSurgeRunner(self.model, self.config, self.settings)
         mesh = self.runner.mesh
         # The device mesh the model is split over, axis name -> size ({} on one device).
         self.mesh_axes: dict[str, int] = (

@@ -3,7 +3,10 @@
 With async scheduling the core keeps one step in flight: step N+1 is
 scheduled and dispatched to the device before step N's tokens are applied,
 so host work overlaps device work. The scheduler's placeholders make the two
-modes produce the same tokens.
+modes produce the same tokens. A step the executor says does not pipeline
+(a speculative one: how many drafts it accepts moves every position after
+it, and its proposals are the next step's drafts) is collected before the
+next is scheduled.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ class ModelExecutor(Protocol[PendingStep]):
         """Wait for a dispatched step and return its results."""
         ...
 
+    def pipelines(self, pending: PendingStep) -> bool:
+        """Whether the next step may be scheduled before this one is collected."""
+        ...
+
 
 class EngineCore(Generic[PendingStep]):
     """Drives a scheduler and a model executor, one forward pass per step."""
@@ -46,6 +53,8 @@ class EngineCore(Generic[PendingStep]):
         self.executor = executor
         self.async_scheduling = async_scheduling
         self._in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+        # Steps dispatched while an earlier one was still running.
+        self.num_overlapped_steps = 0
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (ValueError if the scheduler refuses it)."""
@@ -72,17 +81,23 @@ class EngineCore(Generic[PendingStep]):
 
     def _step_pipelined(self) -> dict[int, EngineCoreOutputs]:
         fresh: SchedulerOutput | None = None
-        if self.scheduler.has_requests() and len(self._in_flight) < 2:
+        in_flight = self._in_flight
+        barrier = bool(in_flight) and not self.executor.pipelines(in_flight[-1][1])
+        if self.scheduler.has_requests() and len(in_flight) < 2 and not barrier:
             # Even an empty schedule is dispatched: it carries the ids of
             # finished requests the runner must drop.
             scheduler_output = self.scheduler.schedule()
-            self._in_flight.append((scheduler_output, self.executor.dispatch(scheduler_output)))
+            pending = self.executor.dispatch(scheduler_output)
+            if in_flight:
+                self.num_overlapped_steps += 1
+            in_flight.append((scheduler_output, pending))
             fresh = scheduler_output
-        if not self._in_flight:
+        if not in_flight:
             return {}
-        if len(self._in_flight) == 1 and fresh is not None and not fresh.is_empty():
+        if (len(in_flight) == 1 and fresh is not None and not fresh.is_empty()
+                and self.executor.pipelines(in_flight[0][1])):
             return {}  # keep the device busy: collect once the next step is queued
-        scheduler_output, pending = self._in_flight.popleft()
+        scheduler_output, pending = in_flight.popleft()
         runner_output = self.executor.collect(pending)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 

@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from esurge.config import Config
-from esurge.engine.api import default_config, runner_config
+from esurge.engine.api import default_config
 from esurge.engine.compile_cache import enable_compile_cache
 from esurge.engine.multihost.cluster import join_cluster
 from esurge.engine.multihost.lockstep import check_multihost_config, connect_leader, follow
@@ -43,7 +43,7 @@ def run_follower(model_dir: str | Path, config: Config | None, settings: EngineS
     check_multihost_config(config)
     # Before warm-up: the leader warms up once every follower has joined.
     link = connect_leader(model_path, config, settings)
-    runner = eSurgeRunner(model, runner_config(config), settings)
+    runner = eSurgeRunner(model, config, settings)
     runner.warmup()
     follow(runner, link)
     log.info("host %d: the leader stopped the job", parallel.host_rank)

@@ -35,7 +35,7 @@ from esurge.runner.sampler import SamplerVariant
 from esurge.runner.step_inputs import build_step_inputs
 from esurge.runner.steps.base import DeviceState, PendingStep, StepKind, StepPlan
 from esurge.runner.steps.burst import DecodeBurstStep
-from esurge.runner.steps.plain import GrammarFeed, GreedyStep, SampledStep
+from esurge.runner.steps.plain import GrammarFeed, GreedyStep, SampledStep, record_plain
 from esurge.runner.steps.speculative import SpeculativeStep
 from esurge.runner.steps.speculative.decoder import SpecDecoder
 from esurge.runner.warmup import warm_up
@@ -75,10 +75,11 @@ class eSurgeRunner:
     Each step goes to the first of `step_kinds` that accepts it (see
     `esurge.runner.steps`); warm-up compiles what those kinds can run. With
     `config.speculative_config` enabling Eagle, `spec` holds the draft head;
-    steps verify and propose drafts (synchronously) where its speculation
-    policy says drafting pays (EngineSettings.speculation), else run plain;
-    `spec_stats` exposes the engine-wide counters. With it off, `spec` is
-    None.
+    steps verify and propose drafts where its speculation policy says
+    drafting pays (EngineSettings.speculation), else run plain; under async
+    scheduling the plain ones pipeline and the speculative ones do not
+    (`pipelines`). `spec_stats` exposes the engine-wide counters. With it
+    off, `spec` is None.
     """
 
     def __init__(self, model: LoadedModel, config: Config,
@@ -119,11 +120,10 @@ class eSurgeRunner:
         self.grammars = GrammarBatch(model.vocab_size,
                                      threaded=jax.default_backend() != "cpu")
         self.grammar_feed = GrammarFeed(self.grammars)
+        # The last plain step or burst dispatched, until collected (async scheduling).
+        self.last_plain: PendingStep | None = None
         self.spec: SpecDecoder | None = None
         if self.num_spec and config.speculative_config is not None:
-            if sched.async_scheduling:
-                raise ValueError("speculative steps run synchronously: build the runner with "
-                                 "async_scheduling=False (eSurge does this for you)")
             self.spec = SpecDecoder(model, config.speculative_config, self.cache_groups.groups,
                                     self.num_pages, self.page_size, self.max_rows,
                                     make_policy(settings.speculation))
@@ -198,6 +198,10 @@ class eSurgeRunner:
         if self.spec is not None and not self.spec.speculates(scheduler_output):
             num_spec = 0  # a plain step: the head's cache misses its tokens from here on
             self.spec.unsynced.update(scheduler_output.num_scheduled_tokens)
+        elif self.spec is not None and self.last_plain is not None:
+            # A speculative step reads its tokens on the host, not from the
+            # previous step's device output: that plain step's must be known.
+            record_plain(self, self.last_plain)
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
                                    self.prev_index, num_spec, self.tiled_attention)
         plan = StepPlan(inputs, ib.sampling.variant(inputs.rows),
@@ -223,6 +227,8 @@ class eSurgeRunner:
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step; record and return its sampled tokens."""
+        if self.last_plain is pending:
+            self.last_plain = None
         if pending.kind is None:
             return ModelRunnerOutput.empty()
         with self.on_mesh():
@@ -230,6 +236,11 @@ class eSurgeRunner:
         if self.spec is not None and pending.inputs is not None:
             self.spec.observe_step(pending.inputs, out, pending.started)
         return out
+
+    def pipelines(self, pending: PendingStep) -> bool:
+        """Whether the next step may be scheduled before this one is collected
+        (not after a speculative step: see StepKind.pipelined)."""
+        return pending.kind is None or pending.kind.pipelined
 
     def sampler_variants(self) -> list[SamplerVariant]:
         """Every sampler variant a batch can need (compiled at warm-up)."""

@@ -21,6 +21,13 @@ Preemption is by recompute: pages freed, num_computed_tokens reset to 0,
 status PREEMPTED. When the request is admitted again it is sent to the runner
 as a NewRequestData carrying its output tokens so far, and its prompt plus
 outputs are prefilled again (prefix hits usually make that cheap).
+
+Async scheduling with speculation. A step that verifies drafts holds a
+placeholder per draft as well as for its sampled token, released when its
+output arrives; a step with drafts must be updated before the next
+schedule() (its accepted count moves the request's position), which the
+engine core ensures. Drafts that arrive while a later step of the request is
+already scheduled are dropped: they would follow the wrong tokens.
 """
 
 from __future__ import annotations
@@ -82,11 +89,6 @@ class Scheduler(SchedulerInterface):
             raise ValueError(f"kv_cache_config.num_pages ({kv_cache_config.num_pages}) differs "
                              f"from cache_config.num_pages ({cache.num_pages})")
         self.num_lookahead_tokens = config.num_speculative_tokens
-        if sched.async_scheduling and self.num_lookahead_tokens:
-            raise ValueError(
-                "async_scheduling=True with speculative decoding (num_speculative_tokens="
-                f"{self.num_lookahead_tokens}) is not supported: the number of accepted "
-                "tokens must be known before the next step is scheduled")
         self._burst = DecodeBurstPolicy(
             check_decode_steps(decode_steps, self.num_lookahead_tokens), sched.max_model_len,
             sched.max_num_batched_tokens, cache.page_size, len(kv_cache_config.groups))

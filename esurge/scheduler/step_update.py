@@ -66,8 +66,10 @@ class StepUpdate:
             stopped = False
             if new_ids:
                 if self._async:
+                    # A verified step held a placeholder for each draft too.
                     request.num_output_placeholders = max(
-                        0, request.num_output_placeholders - len(new_ids))
+                        0, request.num_output_placeholders - len(new_ids)
+                        - (num_draft - num_accepted))
                 if len(new_ids) == 1:
                     request.append_output_token_ids(new_ids)
                     stopped = check_stop(request, self._max_model_len)
@@ -77,7 +79,10 @@ class StepUpdate:
                 self.finished.append(request)
                 (self.finished_running if status is _RUNNING else self.finished_waiting).add(
                     request)
-            elif drafts_out is not None and status is _RUNNING:
+            elif drafts_out is not None and status is _RUNNING and (
+                    not request.num_output_placeholders):
+                # Drafts proposed while a later step of the request is already
+                # scheduled would follow the wrong tokens: they are dropped.
                 request.spec_token_ids = drafts_out[i]
             step_prompt_logprobs = prompt_logprobs.get(rid) if prompt_logprobs else None
             if new_ids or stopped or step_prompt_logprobs is not None:

@@ -12,8 +12,9 @@ per-request seeds honoured) and drafts k new tokens per request from the
 target's hidden states. Which steps speculate is the policy's choice
 (`esurge.spec_decode.policy`, EngineSettings.speculation): by default only at
 batch sizes where speculative steps measurably beat plain ones. Speculative
-steps run synchronously: with `async_scheduling=True` the engine still
-produces the same tokens, one step at a time. Requests whose sampling needs
+steps do not pipeline: with `async_scheduling=True` the engine collects
+each speculative step before scheduling the next, while its plain steps
+overlap like any engine's (same tokens either way). Requests whose sampling needs
 per-token host state (penalties, logit bias, allowed/bad words, min_tokens)
 run without drafts.
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
+from esurge.engine.core import EngineCore
 from esurge.engine_types import FinishReason
 from esurge.outputs import ModelRunnerOutput
+from esurge.scheduler import SchedulerOutput
 from tests.scheduler.fakes import (
+    Collected,
     FakeRunner,
     make_request,
     make_scheduler,
@@ -83,9 +88,83 @@ def test_async_does_not_schedule_past_max_tokens() -> None:
     assert result[0].outputs[0].finish_reason is FinishReason.LENGTH
 
 
-def test_async_with_speculation_is_refused() -> None:
-    with pytest.raises(ValueError, match="async_scheduling"):
-        make_scheduler(async_scheduling=True, num_spec=2)
+def test_async_verification_releases_a_placeholder_per_draft() -> None:
+    s = make_scheduler(async_scheduling=True, num_spec=3, page_size=4)
+    a = make_request("a", [1, 2, 3, 4], 20, ignore_eos=True)
+    s.add_request(a)
+    out = s.schedule()
+    assert a.num_output_placeholders == 1
+    s.update_from_output(out, runner_output("a", [10], [11, 12, 13]))
+    assert (a.num_output_placeholders, a.spec_token_ids) == (0, [11, 12, 13])
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
+    assert a.num_output_placeholders == 4  # the sampled token and one per draft
+    s.update_from_output(out, runner_output("a", [11, 20], [21]))
+    assert (a.num_output_placeholders, a.num_computed_tokens, a.spec_token_ids) == (0, 6, [21])
+    out = s.schedule()
+    assert (out.num_scheduled_tokens, out.scheduled_spec_decode_tokens) == ({"a": 2}, {"a": [21]})
+
+
+def test_async_drops_drafts_that_arrive_behind_a_scheduled_step() -> None:
+    # Driven without a barrier, every step's drafts arrive once the next step
+    # is already scheduled: they are dropped and the tokens stay exact.
+    s = make_scheduler(async_scheduling=True, num_spec=3, max_model_len=32,
+                       max_num_batched_tokens=32)
+    for k, p in enumerate(PROMPTS):
+        s.add_request(make_request(f"r{k}", p, 12, ignore_eos=True))
+    got = run(s, FakeRunner(4, drafts=3))
+    for k, p in enumerate(PROMPTS):
+        assert got.tokens[f"r{k}"] == reference_output(p, 12)
+        assert sum(o.num_draft_tokens for o in got.outputs[f"r{k}"]) == 0
+    kv = s.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+
+
+@dataclass
+class _MixedExecutor:
+    """An executor over FakeRunner whose steps propose drafts only on every third
+    step: the others pipeline (async scheduling), as an Eagle engine's plain steps."""
+
+    runner: FakeRunner
+    dispatched: int = 0
+
+    def dispatch(self, out: SchedulerOutput) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        self.dispatched += 1
+        result = self.runner.execute(out)
+        if self.dispatched % 3 and result.spec_token_ids is not None:
+            result.spec_token_ids = [[] for _ in result.spec_token_ids]
+        return out, result
+
+    def collect(self, pending: tuple[SchedulerOutput, ModelRunnerOutput]) -> ModelRunnerOutput:
+        return pending[1]
+
+    def pipelines(self, pending: tuple[SchedulerOutput, ModelRunnerOutput]) -> bool:
+        out, result = pending
+        drafts = result.spec_token_ids or []
+        return not out.scheduled_spec_decode_tokens and not any(drafts)
+
+
+@pytest.mark.parametrize("num_pages", [200, 14])
+def test_async_core_pipelines_plain_steps_and_verifies_drafts(num_pages: int) -> None:
+    s = make_scheduler(async_scheduling=True, num_spec=3, num_pages=num_pages, max_model_len=32,
+                       max_num_batched_tokens=32)
+    for k, p in enumerate(PROMPTS):
+        s.add_request(make_request(f"r{k}", p, 12, ignore_eos=True))
+    core = EngineCore(s, _MixedExecutor(FakeRunner(4, drafts=3)), async_scheduling=True)
+    got = Collected()
+    for _ in range(500):
+        if not core.has_work():
+            break
+        got.add(core.step())
+    accepted = 0
+    for k, p in enumerate(PROMPTS):
+        assert got.tokens[f"r{k}"] == reference_output(p, 12)
+        assert got.reason(f"r{k}") is FinishReason.LENGTH
+        accepted += sum(o.num_accepted_tokens for o in got.outputs[f"r{k}"])
+    assert accepted > 0 and core.num_overlapped_steps > 0
+    kv = s.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+    assert all(r.num_output_placeholders == 0 for r in s.requests.values())
 
 
 def runner_output(req: str, sampled: list[int], drafts: list[int]) -> ModelRunnerOutput:

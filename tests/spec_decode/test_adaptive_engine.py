@@ -1,9 +1,12 @@
 """Adaptive speculation in a real engine: steps switch between speculative and
 plain, and the tokens stay exactly the target's (the bigram target with its
-perfect head)."""
+perfect head). The engine schedules asynchronously, as eSurge's default:
+its plain steps overlap, its speculative ones do not."""
 
 from __future__ import annotations
 
+import threading
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,10 +14,12 @@ from typing import Any
 import pytest
 
 from esurge import SamplingParams, eSurge
+from esurge.engine.request_output import RequestDelta
 from esurge.runner.device_step import model_step, model_step_features
+from esurge.runner.steps.plain import record_plain
 from esurge.runner.steps.speculative.verify import verify_jit
 from esurge.spec_decode import proposer
-from esurge.spec_decode.policy import AdaptiveSpeculation
+from esurge.spec_decode.policy import AdaptiveSpeculation, SpeculationPolicy
 from tests.spec_decode.conftest import BIGRAM_K
 from tests.spec_decode.helpers import spec_config
 from tests.spec_decode.test_bigram_engine import greedy, greedy_chain, prompts
@@ -23,7 +28,7 @@ from tests.spec_decode.test_bigram_engine import greedy, greedy_chain, prompts
 @pytest.fixture(scope="module")
 def adaptive_engine(bigram_dirs: tuple[Path, Path]) -> Iterator[eSurge]:
     target, head = bigram_dirs
-    config = spec_config(BIGRAM_K, head, max_num_seqs=32, batched_tokens=64)
+    config = spec_config(BIGRAM_K, head, max_num_seqs=32, batched_tokens=64, async_=True)
     llm = eSurge(target, config, show_progress=False, min_token_bucket=32)
     yield llm
     llm.shutdown()
@@ -47,6 +52,7 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
     jitted: tuple[Any, ...] = (model_step, model_step_features, verify_jit,
                                proposer.propose_first, proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
+    overlapped_before = adaptive_engine._loop.core.num_overlapped_steps
     # Four prompts admitted in one step, then decoding together (batch 4 throughout).
     batch = [p[:5] for p in prompts(4, seed=6)]
     outs = adaptive_engine.generate(batch, greedy(40))
@@ -57,6 +63,8 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
     assert stats is not None and stats.num_verifications > 0
     assert runner.spec.unsynced == set()  # every finished request was released
     assert [f._cache_size() for f in jitted] == before  # warm-up compiled both modes
+    core = adaptive_engine._loop.core
+    assert core.async_scheduling and core.num_overlapped_steps > overlapped_before
 
     # A request alone: the policy measured plain decoding at batch 1 only if
     # plain steps ran there; whatever it chose, the tokens are the target's.
@@ -80,3 +88,57 @@ def test_a_seeded_sample_takes_no_drafts_and_keeps_its_tokens(
         reference = plain.generate([[2, 7, 1]], params)[0].outputs[0]
     assert alone.token_ids == crowd.token_ids == reference.token_ids
     assert alone.num_draft_tokens == crowd.num_draft_tokens == 0
+
+
+class _Switch(SpeculationPolicy):
+    """Plain steps until switched on: requests started before decode plain
+    (pipelined) to the end; one started after drafts."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def speculate(self, batch: int) -> bool:
+        return self.on and batch > 0
+
+
+def test_a_speculative_step_behind_a_plain_one_in_flight(
+        adaptive_engine: eSurge, bigram_dirs: tuple[Path, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from esurge.runner import runner as runner_module
+    from tests.spec_decode.helpers import bigram_next_probs
+
+    probs = bigram_next_probs(bigram_dirs[0])
+    runner = adaptive_engine.runner
+    assert runner.spec is not None
+    runner.spec.policy = policy = _Switch()
+    early = []  # plain steps whose tokens a speculative dispatch read before their collect
+
+    def spy(r: Any, pending: Any) -> Any:
+        early.append(pending.host_tokens is None)
+        return record_plain(r, pending)
+
+    monkeypatch.setattr(runner_module, "record_plain", spy)
+    first = [p[:5] for p in prompts(4, seed=12)]
+    late = [2, 7, 1, 8, 2]
+    tokens: dict[str, list[int]] = defaultdict(list)
+    accepted: dict[str, int] = defaultdict(int)
+    started, done = threading.Event(), threading.Semaphore(0)
+
+    def on_output(delta: RequestDelta) -> None:  # on the engine thread
+        for sample in delta.outputs:
+            tokens[delta.request_id].extend(sample.token_ids)
+            accepted[delta.request_id] += sample.num_accepted_tokens
+        started.set()
+        if delta.finished:
+            done.release()
+
+    ids = [adaptive_engine.submit(p, greedy(80), on_output) for p in first]
+    assert started.wait(30)
+    policy.on = True
+    ids.append(adaptive_engine.submit(late, greedy(60), on_output))
+    for _ in ids:
+        assert done.acquire(timeout=60)
+    assert [tokens[rid] for rid in ids] == (
+        [greedy_chain(probs, p, 80) for p in first] + [greedy_chain(probs, late, 60)])
+    assert True in early, "no speculative step was dispatched behind a plain one in flight"
+    assert accepted[ids[-1]] > 0 and not any(accepted[rid] for rid in ids[:4])

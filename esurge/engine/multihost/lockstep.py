@@ -76,6 +76,10 @@ class LockstepExecutor:
             raise self.link.failure
         return out
 
+    def pipelines(self, pending: Any) -> bool:
+        """The runner's answer: the followers run the same kinds of steps."""
+        return bool(self.runner.pipelines(pending))
+
     def shutdown(self) -> None:
         """Release the followers."""
         self.link.close()

@@ -59,6 +59,9 @@ class PendingStep:
     # The grammar matchers have seen this step's tokens (read early when the
     # next step's masks needed them).
     grammar_seen: bool = False
+    # The sampled tokens once read to the host and written into the persistent
+    # batch (at collect, or earlier for a step that cannot read them on the device).
+    host_tokens: np.ndarray | None = None
     # The kind's own device results (e.g. a speculative step's drafts).
     extra: object = None
     # time.perf_counter() when the runner began dispatching it.
@@ -110,9 +113,15 @@ class WarmupPlan:
 
 
 class StepKind(Protocol):
-    """One way of running a step on the device."""
+    """One way of running a step on the device.
+
+    `pipelined`: the next step may be scheduled and dispatched while this one
+    runs (async scheduling); a kind whose results decide the next step's
+    shape (how many drafts it accepted) says False.
+    """
 
     name: str
+    pipelined: bool
 
     def accepts(self, plan: StepPlan) -> bool:
         """True when this kind runs the planned step."""

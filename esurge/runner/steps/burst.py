@@ -31,6 +31,7 @@ class DecodeBurstStep:
     """A burst of `runner.decode_steps` plain decode iterations."""
 
     name = "decode burst"
+    pipelined = True
 
     def __init__(self, runner: eSurgeRunner) -> None:
         self.runner = runner
@@ -50,7 +51,8 @@ class DecodeBurstStep:
             runner.model.model_state, device.kv_cache, flat, device.prev_tokens, tensors,
             layout, variant)
         runner.prev_index = {rid: i for i, rid in enumerate(inputs.req_ids)}
-        return PendingStep(self, inputs, SamplerOutput(token_ids=tokens))
+        pending = runner.last_plain = PendingStep(self, inputs, SamplerOutput(token_ids=tokens))
+        return pending
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         return collect_plain(self.runner, pending)

@@ -29,7 +29,7 @@ from esurge.structured_output.batch import GrammarBatch
 if TYPE_CHECKING:
     from esurge.runner.runner import eSurgeRunner
 
-__all__ = ["GrammarFeed", "GreedyStep", "SampledStep", "collect_plain"]
+__all__ = ["GrammarFeed", "GreedyStep", "SampledStep", "collect_plain", "record_plain"]
 
 PLAIN_GREEDY = SamplerVariant()  # greedy rows only, no penalties or masks, no logprobs
 
@@ -94,7 +94,7 @@ def _pending(runner: eSurgeRunner, kind: GreedyStep | SampledStep, plan: StepPla
     plp = runner.prompt_logprobs.compute(ib, inputs, hidden)
     wanted = ib.sampling.num_logprobs[inputs.rows].copy() if plan.variant.logprobs else None
     pending = PendingStep(kind, inputs, sampled, plp, num_logprobs=wanted)
-    runner.grammar_feed.last = pending
+    runner.grammar_feed.last = runner.last_plain = pending
     return pending
 
 
@@ -117,21 +117,34 @@ def _model_step_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Program
             for t, r, tile in with_tiles(plan.shapes, runner.tiled_attention)]
 
 
+def record_plain(runner: eSurgeRunner, pending: PendingStep) -> np.ndarray | None:
+    """A plain step's or burst's sampled tokens, [K, >= R] (K = 1 for a plain step),
+    read to the host and written into the persistent batch once: at collect, or
+    before a step that cannot take them from the device (a speculative one)."""
+    inputs, sampled = pending.inputs, pending.sampled
+    if pending.host_tokens is None and inputs is not None and sampled is not None:
+        runner.grammar_feed.observe(pending)
+        tokens = to_host(sampled.token_ids)
+        if inputs.num_steps == 1:
+            tokens = tokens[None]
+        runner.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens,
+                                          tokens)
+        pending.host_tokens = tokens
+    return pending.host_tokens
+
+
 def collect_plain(runner: eSurgeRunner, pending: PendingStep) -> ModelRunnerOutput:
     """Wait for a plain step or a decode burst; record and return its sampled tokens."""
     inputs, sampled = pending.inputs, pending.sampled
-    if inputs is None or sampled is None:
+    tokens = record_plain(runner, pending)
+    if inputs is None or sampled is None or tokens is None:
         return ModelRunnerOutput.empty()
-    runner.grammar_feed.observe(pending)
-    tokens = to_host(sampled.token_ids)
     n = len(inputs.req_ids)
     if inputs.num_steps > 1:  # [K, R]: every request samples each iteration
         sampled_ids = tokens[:, :n].T.tolist()
     else:
         sampled_ids = [[token] if sampled_row else [] for token, sampled_row
-                       in zip(tokens[:n].tolist(), inputs.samples.tolist(), strict=True)]
-        tokens = tokens[None]
-    runner.input_batch.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens)
+                       in zip(tokens[0, :n].tolist(), inputs.samples.tolist(), strict=True)]
     return ModelRunnerOutput(
         req_ids=inputs.req_ids,
         req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
@@ -162,6 +175,7 @@ class GreedyStep:
     """A plain greedy batch: the model step's argmax is the sample."""
 
     name = "greedy"
+    pipelined = True
 
     def __init__(self, runner: eSurgeRunner) -> None:
         self.runner = runner
@@ -186,6 +200,7 @@ class SampledStep:
     """Any other single step: the model step, then the sampler over masked logits."""
 
     name = "sampled"
+    pipelined = True
 
     def __init__(self, runner: eSurgeRunner) -> None:
         self.runner = runner

@@ -165,14 +165,16 @@ class SpecDecoder:
         """Report a collected step in which every request decoded (no prompt chunk)
         to the policy: its mode, batch size, tokens gained and its time. A decode
         step follows the step before it at once, so the time since that one was
-        collected is its whole cost, host work included (a gap over
-        _MAX_HOST_GAP is a pause of the loop: the step's own time is taken)."""
+        collected is its whole cost, host work included; a step dispatched
+        before that collect (async scheduling) ran behind it, and costs the same
+        span. A gap over _MAX_HOST_GAP is a pause of the loop: the step's own
+        time is taken."""
         now, last = time.perf_counter(), self._last_collected
         self._last_collected = now
         decoding = len(inputs.req_ids) + int(inputs.num_drafts.sum())
         if inputs.num_tokens != decoding or not inputs.samples.all():
             return
-        begun = last if last is not None and 0 <= started - last < _MAX_HOST_GAP else started
+        begun = last if last is not None and started - last < _MAX_HOST_GAP else started
         tokens = sum(len(ids) for ids in out.sampled_token_ids)
         self.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens, now - begun)
 

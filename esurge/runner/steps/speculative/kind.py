@@ -1,8 +1,12 @@
 """The speculative step: target forward over [last token + drafts], verification, proposal.
 
-With Eagle on, a step is one of these (they run synchronously) where the
-runner's speculation policy says drafting pays, or drafts wait for
-verification; the others are plain steps. A constrained request's drafts
+With Eagle on, a step is one of these where the runner's speculation policy
+says drafting pays, or drafts wait for verification; the others are plain
+steps. A speculative step does not pipeline: the engine collects it before
+scheduling the next (how many drafts it accepts moves every later position,
+and its proposals are the next step's drafts), while the plain steps of the
+same engine overlap as in any other. One dispatched behind a plain step
+still in flight first reads that step's tokens to the host. A constrained request's drafts
 are drawn under its grammar's masks (`masked.py`) and verified under the
 masks its grammar gives after each draft.
 """
@@ -37,6 +41,7 @@ class SpeculativeStep:
     """Every step of a runner with an Eagle head."""
 
     name = "speculative"
+    pipelined = False
 
     def __init__(self, runner: eSurgeRunner, spec: SpecDecoder) -> None:
         self.runner = runner
