@@ -15,10 +15,11 @@
    first on even rounds), each on fresh prompts. Generated tokens are counted
    from the outputs; the medians of tokens/s and their ratio (mixed / plain)
    are printed, with the median of each round's own ratio (its two runs are
-   back to back, so a shared machine's drift cancels), with the mean output length of each half so the ratio can be
-   read honestly. Every constrained output is replayed through a fresh
-   matcher of its grammar (every token must be accepted); one that ended on
-   a stop token must also be JSON that validates against SCHEMA. The
+   back to back, so a shared machine's drift cancels) and the mean output
+   length of each half, so the ratio can be read honestly. Every
+   constrained output is replayed through a fresh matcher of its grammar
+   (every token must be accepted); one that ended on a stop token must also
+   be JSON that validates against SCHEMA. The
    runner's GrammarBatch.masks and .advance are timed during the mixed runs
    (their share of the wall time is printed).
 2. Mask time per step at 32 constrained rows: a GrammarBatch of 32 matchers

@@ -23,7 +23,24 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["AdaptiveSpeculation", "SpeculationPolicy", "StepRate", "make_policy"]
+__all__ = ["AdaptiveSpeculation", "SpeculationPolicy", "StepRate", "make_policy", "step_cost"]
+
+MAX_HOST_GAP = 0.05  # seconds between two steps that still count as host work
+
+
+def step_cost(started: float, collected: float, last_collected: float | None) -> float:
+    """A decode step's cost in seconds, from when it began dispatching, when it was
+    collected and when the step before it was.
+
+    Decode steps follow each other at once, so the time since the previous
+    collect is the step's whole cost, host work included. A step dispatched
+    before that collect (async scheduling) ran behind the previous step and
+    costs the same span, not the longer one since its own dispatch. A gap
+    over MAX_HOST_GAP is a pause of the loop: the step's own time is taken.
+    """
+    if last_collected is not None and started - last_collected < MAX_HOST_GAP:
+        return collected - last_collected
+    return collected - started
 
 
 @dataclass(slots=True)
@@ -71,8 +88,11 @@ class SpeculationPolicy:
 
     drafts_seeded_samples = True
 
-    def speculate(self, batch: int) -> bool:
-        """True when a step of `batch` requests should draft (and verify)."""
+    def speculate(self, batch: int, measurable: bool = True) -> bool:
+        """True when a step of `batch` requests should draft (and verify).
+
+        measurable: every request of the step decodes, so its rate can be
+        measured (a step that carries prompt chunks cannot)."""
         return batch > 0
 
     def observe(self, speculative: bool, batch: int, tokens: int, seconds: float) -> None:
@@ -95,7 +115,9 @@ class AdaptiveSpeculation(SpeculationPolicy):
     at a batch size and plain decoding none, plain decoding is tried there.
     A batch size measured in neither mode follows its neighbours where they
     decide it: speculation loses from a batch where it lost upward, and wins
-    below a batch where it won.
+    below a batch where it won. A step that cannot be measured (it carries
+    prompt chunks: while a batch fills up, every step does) never explores:
+    it takes the verdict of the nearest batch size measured in both modes.
     The first `settle` steps of each mode and batch size are not counted
     (StepRate). Rates are over the last 32 steps, so a workload whose
     acceptance drops moves the choice; where plain decoding won, speculation
@@ -127,10 +149,17 @@ class AdaptiveSpeculation(SpeculationPolicy):
         self._plain_since: dict[int, int] = {}
         self._owed: dict[int, int] = {}
 
-    def speculate(self, batch: int) -> bool:
+    def speculate(self, batch: int, measurable: bool = True) -> bool:
         if batch <= 0:
             return False
         verdict = self._measured(batch)
+        if not measurable:
+            # Nothing can be learnt from this step: it follows what is known
+            # (the nearest batch size measured in both modes), and explores
+            # only where nothing is.
+            known = verdict if verdict is not None else self._nearest(batch)
+            if known is not None:
+                return known
         if verdict is not None:
             if verdict or self._owed.get(batch, 0) > 0:
                 return True
@@ -158,6 +187,15 @@ class AdaptiveSpeculation(SpeculationPolicy):
         if spec is None or plain is None or not spec.samples or not plain.samples:
             return None
         return spec.tokens_per_s >= self.margin_at(batch) * plain.tokens_per_s
+
+    def _nearest(self, batch: int) -> bool | None:
+        """The verdict at the batch size measured in both modes that is nearest to
+        `batch` by ratio (the smaller on a tie); None where none is."""
+        compared = self._compared()
+        if not compared:
+            return None
+        nearest = min(compared, key=lambda b: (abs(math.log2(b / batch)), b))
+        return self._measured(nearest)
 
     def margin_at(self, batch: int) -> float:
         """How much faster speculation's decode rate must be at this batch size."""

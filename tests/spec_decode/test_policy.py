@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from esurge.spec_decode.policy import AdaptiveSpeculation, make_policy
+from esurge.spec_decode.policy import AdaptiveSpeculation, make_policy, step_cost
 
 
 def feed(policy: AdaptiveSpeculation, speculative: bool, batch: int, steps: int, tokens: int,
@@ -64,6 +64,22 @@ def test_an_unmeasured_batch_follows_its_measured_neighbours() -> None:
     assert won.speculate(4)  # won at 16: wins at any smaller batch
 
 
+def test_a_step_that_cannot_be_measured_follows_the_nearest_measured_batch() -> None:
+    # While a batch fills up every step carries prompt chunks: such steps never
+    # count, so exploring there would speculate on every one of them.
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, margin=1.0, margin_per_doubling=0)
+    assert policy.speculate(20, measurable=False)  # nothing known anywhere: explore
+    feed(policy, True, 32, 2, 40, 0.01)
+    feed(policy, False, 32, 2, 80, 0.01)  # speculation loses at 32
+    assert policy.speculate(20)  # a decode step at 20 may still be measured
+    assert not policy.speculate(20, measurable=False)
+    feed(policy, True, 1, 2, 4, 0.01)
+    feed(policy, False, 1, 2, 1, 0.01)  # and wins alone
+    assert policy.speculate(3, measurable=False)  # nearer 1 than 32 by ratio
+    assert not policy.speculate(12, measurable=False)
+    assert not policy.speculate(32, measurable=False)
+
+
 def test_a_losing_speculation_is_measured_again_after_refresh_plain_steps() -> None:
     policy = AdaptiveSpeculation(min_samples=1, settle=0, refresh=5, remeasure=2)
     feed(policy, True, 1, 1, 1, 0.01)
@@ -98,3 +114,14 @@ def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="sometimes"):
         make_policy("sometimes")
+
+
+def test_a_step_costs_the_span_since_the_step_before_it() -> None:
+    # Synchronous: dispatched 2 ms after the previous collect, collected 10 ms later.
+    assert step_cost(started=1.002, collected=1.012, last_collected=1.0) == pytest.approx(0.012)
+    # Pipelined: dispatched while the previous step still ran (before its
+    # collect at 1.0); it costs the 8 ms between the collects, not 12.
+    assert step_cost(started=0.996, collected=1.008, last_collected=1.0) == pytest.approx(0.008)
+    # After a pause of the loop (or for the first step) only its own time counts.
+    assert step_cost(started=2.0, collected=2.01, last_collected=1.0) == pytest.approx(0.01)
+    assert step_cost(started=2.0, collected=2.01, last_collected=None) == pytest.approx(0.01)

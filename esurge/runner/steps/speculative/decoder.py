@@ -50,7 +50,7 @@ from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draf
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.spec_decode.checkpoint import load_eagle_head
 from esurge.spec_decode.config import EagleLayout
-from esurge.spec_decode.policy import SpeculationPolicy
+from esurge.spec_decode.policy import SpeculationPolicy, step_cost
 from esurge.spec_decode.proposer import (
     AttentionWindow,
     DraftBatch,
@@ -65,8 +65,6 @@ from esurge.spec_decode.stats import SpecDecodeStats
 __all__ = ["SpecDecoder", "SpecStep"]
 
 log = logging.getLogger(__name__)
-
-_MAX_HOST_GAP = 0.05  # seconds between two steps that still count as host work
 
 
 @dataclass(slots=True)
@@ -159,24 +157,21 @@ class SpecDecoder:
         scheduled = so.num_scheduled_tokens
         if all(req_id in self.unsynced for req_id in scheduled):
             return False
-        return self.policy.speculate(len(scheduled))
+        # No drafts to verify here: a step of one token per request decodes only.
+        decoding = not so.scheduled_new_reqs and all(n == 1 for n in scheduled.values())
+        return self.policy.speculate(len(scheduled), measurable=decoding)
 
     def observe_step(self, inputs: StepInputs, out: ModelRunnerOutput, started: float) -> None:
         """Report a collected step in which every request decoded (no prompt chunk)
-        to the policy: its mode, batch size, tokens gained and its time. A decode
-        step follows the step before it at once, so the time since that one was
-        collected is its whole cost, host work included; a step dispatched
-        before that collect (async scheduling) ran behind it, and costs the same
-        span. A gap over _MAX_HOST_GAP is a pause of the loop: the step's own
-        time is taken."""
+        to the policy: its mode, batch size, tokens gained and its cost (step_cost)."""
         now, last = time.perf_counter(), self._last_collected
         self._last_collected = now
         decoding = len(inputs.req_ids) + int(inputs.num_drafts.sum())
         if inputs.num_tokens != decoding or not inputs.samples.all():
             return
-        begun = last if last is not None and started - last < _MAX_HOST_GAP else started
         tokens = sum(len(ids) for ids in out.sampled_token_ids)
-        self.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens, now - begun)
+        self.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens,
+                            step_cost(started, now, last))
 
     def release(self, req_ids: set[str]) -> None:
         """Free the draft-distribution slots of requests that left the batch."""
