@@ -25,9 +25,10 @@ outputs are prefilled again (prefix hits usually make that cheap).
 Async scheduling with speculation. A step that verifies drafts holds a
 placeholder per draft as well as for its sampled token, released when its
 output arrives; a step with drafts must be updated before the next
-schedule() (its accepted count moves the request's position), which the
-engine core ensures. Drafts that arrive while a later step of the request is
-already scheduled are dropped: they would follow the wrong tokens.
+schedule() (its accepted count moves the request's position): the engine
+core collects it first, and schedule() refuses to run before. Drafts that
+arrive while a later step of the request is already scheduled are dropped:
+they would follow the wrong tokens.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ class Scheduler(SchedulerInterface):
         self.num_decode_bursts = 0  # steps scheduled as decode bursts, since start
         # Ended through finish_requests: their final outputs go out in the next update.
         self._finished_outside: list[EngineRequest] = []
+        # A published step that verifies drafts and whose output is not applied yet.
+        self._verifying = False
 
     @classmethod
     def from_runner(cls, runner: SchedulerSource, max_num_batched_tokens: int | None = None,
@@ -203,7 +206,13 @@ class Scheduler(SchedulerInterface):
     # ---- scheduling -------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide the next forward pass (see the module docstring)."""
+        """Decide the next forward pass (see the module docstring).
+
+        ValueError while a step that verifies drafts awaits its output: how
+        many it accepts decides where every request in it goes on from."""
+        if self._verifying:
+            raise ValueError("schedule() called before the output of a step with draft "
+                             "tokens was applied (update_from_output)")
         budget = self.max_num_batched_tokens
         plan = StepPlan(self._burst.steps(
             self.running, len(self.waiting), len(self.running) >= self.max_num_running,
@@ -329,6 +338,7 @@ class Scheduler(SchedulerInterface):
         if plan.decode_steps > 1 and num_scheduled:
             self.num_decode_bursts += 1
         plan.advance(self.async_scheduling)
+        self._verifying = bool(plan.spec)
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -357,6 +367,8 @@ class Scheduler(SchedulerInterface):
         final output here. Tokens of requests that ended after being
         scheduled (async scheduling, aborts) are dropped.
         """
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self._verifying = False
         update = StepUpdate(self.requests, self.max_model_len, self.async_scheduling)
         update.apply(scheduler_output, model_runner_output)
         for request in update.finished:

@@ -105,6 +105,23 @@ def test_async_verification_releases_a_placeholder_per_draft() -> None:
     assert (out.num_scheduled_tokens, out.scheduled_spec_decode_tokens) == ({"a": 2}, {"a": [21]})
 
 
+def test_nothing_is_scheduled_behind_a_step_that_verifies_drafts() -> None:
+    s = make_scheduler(async_scheduling=True, num_spec=2)
+    s.add_request(make_request("a", [1, 2, 3, 4], 20, ignore_eos=True))
+    s.add_request(make_request("b", [5, 6, 7], 20, ignore_eos=True))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1}, [[10], [20]],
+                                                [[11, 12], []]))
+    out = s.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": [11, 12]}
+    with pytest.raises(ValueError, match="draft tokens"):
+        s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(["a", "b"], {"a": 0, "b": 1},
+                                                [[11, 30], [21]], [[], []]))
+    s.schedule()  # a step without drafts may have the next one behind it
+    s.schedule()
+
+
 def test_async_drops_drafts_that_arrive_behind_a_scheduled_step() -> None:
     # Driven without a barrier, every step's drafts arrive once the next step
     # is already scheduled: they are dropped and the tokens stay exact.

@@ -52,7 +52,7 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
     jitted: tuple[Any, ...] = (model_step, model_step_features, verify_jit,
                                proposer.propose_first, proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
-    overlapped_before = adaptive_engine._loop.core.num_overlapped_steps
+    overlapped_before = adaptive_engine.loop.core.num_overlapped_steps
     # Four prompts admitted in one step, then decoding together (batch 4 throughout).
     batch = [p[:5] for p in prompts(4, seed=6)]
     outs = adaptive_engine.generate(batch, greedy(40))
@@ -63,7 +63,7 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
     assert stats is not None and stats.num_verifications > 0
     assert runner.spec.unsynced == set()  # every finished request was released
     assert [f._cache_size() for f in jitted] == before  # warm-up compiled both modes
-    core = adaptive_engine._loop.core
+    core = adaptive_engine.loop.core
     assert core.async_scheduling and core.num_overlapped_steps > overlapped_before
 
     # A request alone: the policy measured plain decoding at batch 1 only if
