@@ -10,13 +10,14 @@ the float32 weight's bytes (4-bit codes) and gets exactly the float32 panel
 kernel's result on the dequantized weight.
 
 Where the model also keeps the input-major float32 weight (dual layout, CPUs
-without AVX-512), the kernel serves a step of at most CODED_KERNEL_MAX_ROWS
-real rows (decided on device, since a decode bucket has 16 rows however few
-are real) and XLA's matmul on that weight serves the rest: past one AVX2
-register tile the kernel expands each panel into scratch first, and at 4
-real rows it already trails XLA on the whole padded bucket (measured on a
-Zen 3, SmolLM2's gate/up: 1 row 0.18 ms against 0.25; 2 rows 0.28 against
-0.28; 4 rows 1.14 against 1.16; the Q8_0 LM head: 2.5 ms against 7.6 at 1 row).
+without AVX-512), the kernel serves the buckets the float32 panel kernel
+serves (packed_linear.DUAL_KERNEL_MAX_ROWS) and XLA's matmul on that weight
+the larger ones. Since the AVX2 tiles run in registers, the coded kernel is
+level with or ahead of XLA's matmul at every real row count up to 32, and it
+skips the bucket's padding rows (measured on a 2-core AMD EPYC with AVX2 only,
+SmolLM2's shapes at 32 rows, ms, coded / XLA: gate/up 2.13 / 2.29-2.69,
+o 0.25-0.28 / 0.34-0.55, down 0.62-0.93 / 0.70-1.65; at 4 real rows of a
+16-row bucket the kernel computes 4 rows where XLA computes 16).
 """
 
 from __future__ import annotations
@@ -32,12 +33,8 @@ from esurge.models.cpu_kernels import PANEL, coded_matmul_kernel
 from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.weight_codes import CODE_BLOCK, WeightCodes
 
-__all__ = ["CODED_KERNEL_MAX_ROWS", "CodedGateUp", "CodedLinear", "code_bytes",
-           "coded_or_plain", "pack_codes", "pack_gate_up_codes"]
-
-# Real rows up to which the coded kernel beats XLA's matmul on the plain
-# weight (one AVX2 register tile; see the module docstring).
-CODED_KERNEL_MAX_ROWS = 2
+__all__ = ["CodedGateUp", "CodedLinear", "code_bytes", "coded_or_plain", "pack_codes",
+           "pack_gate_up_codes"]
 
 _HALF = PANEL // 2
 
@@ -112,17 +109,13 @@ class _CodedPanels(nnx.Module):
 
 
 def coded_or_plain(x: jax.Array,  # [T, in]
-                   num_rows: jax.Array | None,  # [] int32: real rows of x
                    kernel: Callable[[], jax.Array], plain: Callable[[], jax.Array] | None
                    ) -> jax.Array:
     """The coded kernel's product or XLA's on the float32 weight (plain; None
-    when the model keeps none), whichever serves this many real rows."""
-    if plain is None:
+    when the model keeps none), whichever serves a bucket of x's rows."""
+    if plain is None or x.shape[0] <= DUAL_KERNEL_MAX_ROWS:
         return kernel()
-    if x.shape[0] > DUAL_KERNEL_MAX_ROWS:
-        return plain()
-    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
-    return jax.lax.cond(rows <= CODED_KERNEL_MAX_ROWS, kernel, plain)
+    return plain()
 
 
 class CodedLinear(nnx.Module):
@@ -140,7 +133,7 @@ class CodedLinear(nnx.Module):
                  ) -> jax.Array:  # [T, in] -> [T, out]
         plain = self.plain
         y = coded_or_plain(
-            x, num_rows, lambda: self.weight.matmul(x, self.out_features, num_rows, False),
+            x, lambda: self.weight.matmul(x, self.out_features, num_rows, False),
             None if plain is None else lambda: x @ plain[...])
         return y if self.bias is None else y + self.bias[...]
 
@@ -163,6 +156,6 @@ class CodedGateUp(nnx.Module):
             y = x @ plain[...]  # type: ignore[index]
             return jax.nn.silu(y[:, :half]) * y[:, half:]
 
-        return coded_or_plain(x, num_rows,
+        return coded_or_plain(x,
                               lambda: self.weight.matmul(x, half, num_rows, silu_mul=True),
                               None if plain is None else through_plain)

@@ -155,7 +155,7 @@ class CausalLM(nnx.Module):
         if head is None:
             logits = tied()
         elif config.tie_word_embeddings and config.dual_layout:  # a coded head, tied
-            logits = coded_or_plain(hidden, num_rows, lambda: head(hidden, num_rows), tied)
+            logits = coded_or_plain(hidden, lambda: head(hidden, num_rows), tied)
         else:
             logits = head(hidden, num_rows)
         if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards

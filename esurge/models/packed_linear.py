@@ -76,11 +76,11 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
 # Most rows (a bucket's, known when tracing) the kernel serves when the
 # model also keeps the input-major weight (DecoderConfig.dual_layout, chosen
 # where the CPU lacks AVX-512): there the kernel's row tiles are 2 rows, and
-# from a few dozen rows XLA's matmul on the plain [in, out] weight wins
-# (measured on a Zen 3, SmolLM2: 32 requests decoding, 130 tok/s on the plain
-# weight against 70 on the panels; one request, 19 tok/s through the kernel,
-# which skips the bucket's padding rows, against 8 on the plain weight).
-DUAL_KERNEL_MAX_ROWS = 16
+# past a few dozen rows XLA's matmul on the plain [in, out] weight wins.
+# Measured on a 2-core AMD EPYC with AVX2 only (ms, kernel / XLA): the 4.5M
+# test model's gate/up 0.50 / 0.82 at 32 rows, 1.10 / 1.30 at 64, 2.11 / 0.97
+# at 128; SmolLM2's 2.09-2.14 / 2.29-2.69 at 32 rows, 4.21 / 2.87 at 64.
+DUAL_KERNEL_MAX_ROWS = 32
 
 
 def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:

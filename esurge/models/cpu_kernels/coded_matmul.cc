@@ -116,10 +116,8 @@ struct CodedRows {
     for (int v = 0; v < kPanelVecs; ++v) {
       const int col = v * kNative;
       const Vec code = codes[v];
-      Vec sv, ov;
-      std::memcpy(&sv, s + col, sizeof(Vec));
-      std::memcpy(&ov, o + col, sizeof(Vec));
-      b[v] = sv * code + ov;  // scale * code is exact: one rounding, fused or not
+      // scale * code is exact: one rounding, fused or not
+      b[v] = LoadVec(s + col) * code + LoadVec(o + col);
     }
   }
 };
