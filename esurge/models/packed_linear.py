@@ -76,10 +76,11 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
 # Most rows (a bucket's, known when tracing) the kernel serves when the
 # model also keeps the input-major weight (DecoderConfig.dual_layout, chosen
 # where the CPU lacks AVX-512): there the kernel's row tiles are 2 rows, and
-# past a few dozen rows XLA's matmul on the plain [in, out] weight wins.
-# Measured on a 2-core AMD EPYC with AVX2 only (ms, kernel / XLA): the 4.5M
-# test model's gate/up 0.50 / 0.82 at 32 rows, 1.10 / 1.30 at 64, 2.11 / 0.97
-# at 128; SmolLM2's 2.09-2.14 / 2.29-2.69 at 32 rows, 4.21 / 2.87 at 64.
+# past a few dozen rows XLA's matmul on the plain [in, out] weight catches up,
+# first on the SiLU-gated gate/up. `bench/kernel_rows.py` on a 2-core AMD EPYC
+# with AVX2 only (kernel / XLA time): SmolLM2's gate/up 0.51 at 16 rows, 0.57
+# at 32, 0.93 at 64, 1.21 at 128; its other projections 0.5-0.8 up to 128;
+# the 4.5M test model's gate/up 0.76 at 32 rows, 1.66 at 256.
 DUAL_KERNEL_MAX_ROWS = 32
 
 
