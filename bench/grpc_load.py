@@ -21,11 +21,14 @@ when a stream fell behind and joins the steps it missed), and the clients'
 CPU per token. The load-generating clients run in this process, on the same
 cores: wall tokens/s is shared with them, server CPU per token is not.
 `bench/grpc_floor.py` measures grpcio's own cost per call and per message,
-the part of the difference no service code can remove.
+the part of the difference no service code can remove. --engine-streams S
+sends the same load over S EngineStream calls instead (each keeps its share
+of the N requests in flight, one message per engine step for all of them):
+what a gateway that multiplexes requests pays, without a call per request.
 Both engines share a JAX compilation cache, so the server warms up quickly.
 
     .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--decode-steps K]
-        [--max-num-batched-tokens B] [--keep DIR]
+        [--max-num-batched-tokens B] [--engine-streams S] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -142,6 +146,27 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class _StreamTimes:
+    """Per-request token arrival times, for TTFT and inter-token latency."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+        self.began: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def added(self, request_id: str) -> None:
+        self.began[request_id] = self.last[request_id] = time.perf_counter()
+
+    def tokens(self, request_id: str, count: int, now: float) -> None:
+        if self.last[request_id] == self.began[request_id]:
+            self.result.ttft.append(now - self.began[request_id])
+        else:
+            gap = (now - self.last[request_id]) / count
+            self.result.itl.extend([gap] * count)
+        self.last[request_id] = now
+        self.result.tokens += count
+
+
 async def over_grpc(target: str, requests: list[list[int]], clients: int,
                     channels: int | None = None) -> Result:
     """N streaming clients sharing the request list, over `channels` HTTP/2
@@ -154,20 +179,15 @@ async def over_grpc(target: str, requests: list[list[int]], clients: int,
     for prompt in requests:
         work.put_nowait(prompt)
     result = Result(0, 0.0)
+    times = _StreamTimes(result)
 
     async def one(client: AsyncEngineClient, prompt: list[int]) -> None:
-        began = last = time.perf_counter()
+        key = str(len(times.began))
+        times.added(key)
         async for message in client.generate(prompt, params, return_text=False):
-            if not message.token_ids:
-                continue
-            now = time.perf_counter()
-            if last == began:
-                result.ttft.append(now - began)
-            else:
-                result.itl.extend([(now - last) / len(message.token_ids)] * len(message.token_ids))
-            last = now
-            result.tokens += len(message.token_ids)
-            result.messages += 1
+            if message.token_ids:
+                times.tokens(key, len(message.token_ids), time.perf_counter())
+                result.messages += 1
 
     async def worker(client: AsyncEngineClient) -> None:
         while not work.empty():
@@ -177,6 +197,65 @@ async def over_grpc(target: str, requests: list[list[int]], clients: int,
     try:
         start = time.perf_counter()
         await asyncio.gather(*(worker(pool[i % len(pool)]) for i in range(clients)))
+        result.seconds = time.perf_counter() - start
+    finally:
+        for client in pool:
+            await client.close()
+    return result
+
+
+async def over_engine_streams(target: str, requests: list[list[int]], clients: int,
+                              streams: int) -> Result:
+    """The same load multiplexed as a gateway would: `streams` EngineStream calls
+    (one channel each), each keeping clients // streams requests in flight and
+    adding the next one when one finishes; one message per engine step per stream."""
+    import grpc
+
+    from esurge.sampling_params import SamplingParams
+    from generated.esurge.v1 import service_pb2
+    from service.client import AsyncEngineClient, build_request
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    work = list(enumerate(requests))[::-1]  # popped from the end: request order
+    result = Result(0, 0.0)
+    times = _StreamTimes(result)
+
+    async def add(call: Any) -> bool:
+        if not work:
+            return False
+        index, prompt = work.pop()
+        request_id = f"bench-{index}"
+        times.added(request_id)
+        await call.write(service_pb2.EngineStreamRequest(add_request=build_request(
+            prompt, params, request_id=request_id, return_text=False)))
+        return True
+
+    async def stream(client: AsyncEngineClient, width: int) -> None:
+        call = client.engine_stream()
+        live = 0
+        for _ in range(width):
+            live += await add(call)
+        while live:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                raise RuntimeError("the EngineStream ended with requests in flight")
+            if response.WhichOneof("payload") != "outputs":
+                raise RuntimeError(f"a request was refused: {response.rejection.message}")
+            now = time.perf_counter()
+            result.messages += 1
+            for out in response.outputs.outputs:
+                if out.new_token_ids:
+                    times.tokens(out.request_id, len(out.new_token_ids), now)
+            for _ in response.outputs.finished_requests:
+                live -= 1
+                live += await add(call)
+        await call.done_writing()
+
+    pool = [AsyncEngineClient(target, timeout=600) for _ in range(streams)]
+    widths = [clients // streams + (i < clients % streams) for i in range(streams)]
+    try:
+        start = time.perf_counter()
+        await asyncio.gather(*(stream(c, w) for c, w in zip(pool, widths, strict=True)))
         result.seconds = time.perf_counter() - start
     finally:
         for client in pool:
@@ -211,10 +290,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(engine: object, target: str, server_pid: int, prompts: list[list[int]],
-            counts: list[int], repeats: int, channels: int | None
+            counts: list[int], repeats: int, channels: int | None,
+            engine_streams: int | None = None
             ) -> tuple[dict[int, Result], dict[int, Result]]:
     """Best of `repeats` runs per client count, local and gRPC runs interleaved so
-    that load from other processes on the machine hits both alike."""
+    that load from other processes on the machine hits both alike (the gRPC side
+    over Generate calls, or over `engine_streams` EngineStream calls)."""
     in_process(engine, prompts[:4], 4)  # first-call effects out of the numbers
     asyncio.run(over_grpc(target, prompts[:4], 4))
     local: dict[int, Result] = {}
@@ -224,7 +305,9 @@ def measure(engine: object, target: str, server_pid: int, prompts: list[list[int
         for _ in range(repeats):
             lo = in_process(engine, requests, n)
             cpu, own = process_cpu_s(server_pid), time.process_time()
-            r = asyncio.run(over_grpc(target, requests, n, channels))
+            r = asyncio.run(
+                over_engine_streams(target, requests, n, min(engine_streams, n))
+                if engine_streams else over_grpc(target, requests, n, channels))
             r.cpu_s = process_cpu_s(server_pid) - cpu
             r.client_cpu_s = time.process_time() - own
             if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
@@ -264,6 +347,10 @@ def main() -> None:
                              "over 64 rows needs 64 K (512 for --decode-steps 8)")
     parser.add_argument("--channels", type=int, default=None,
                         help="HTTP/2 connections the clients share (default: one each)")
+    parser.add_argument("--engine-streams", type=int, default=None,
+                        help="send the load over this many EngineStream calls (the "
+                             "requests multiplexed, as a gateway does) instead of one "
+                             "Generate call per request")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per client count; the best is reported")
     args = parser.parse_args()
@@ -289,7 +376,7 @@ def main() -> None:
         proc, target = start_server(model_dir, env, flags)
         try:
             local, remote = measure(engine, target, proc.pid, prompts, counts, args.repeats,
-                                    args.channels)
+                                    args.channels, args.engine_streams)
         finally:
             proc.terminate()
             proc.wait(120)
