@@ -310,6 +310,9 @@ def measure(engine: object, target: str, server_pid: int, prompts: list[list[int
                 if engine_streams else over_grpc(target, requests, n, channels))
             r.cpu_s = process_cpu_s(server_pid) - cpu
             r.client_cpu_s = time.process_time() - own
+            if r.tokens != len(requests) * NEW_TOKENS:  # a rate over lost tokens is no rate
+                raise RuntimeError(f"the gRPC side received {r.tokens} tokens, expected "
+                                   f"{len(requests) * NEW_TOKENS}")
             if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
                 local[n] = lo
             if n not in remote or r.tokens_per_s > remote[n].tokens_per_s:
