@@ -13,6 +13,11 @@ on its own LM head (cross-entropy with the target's probabilities as soft
 labels, restricted to the draft vocabulary for EAGLE-3); EAGLE-1 heads also
 regress their output onto the target's feature at p + 1, since that output is
 both their next hidden input and, through the target's LM head, their logits.
+
+The soft labels are the target's `LABEL_TOP` most likely draft tokens per
+position, renormalised (`Labels`): a greedy target puts nearly all its mass
+there, and sparse labels can be computed once per token and kept
+(tools/eagle_data.py) where a full distribution over a 49k vocabulary could not.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.config import EagleLayout
 from esurge.spec_decode.head import EagleHead, EagleState, HeadParams
 
-__all__ = ["LossWeights", "StepMetrics", "head_loss", "make_train_step", "unrolled_steps"]
+__all__ = ["LABEL_TOP", "Labels", "LossWeights", "StepMetrics", "head_loss", "make_train_step",
+           "sparse_labels", "unrolled_steps"]
+
+LABEL_TOP = 8  # draft tokens kept per position as soft labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,30 @@ class LossWeights:
             raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay!r}")
         if self.regression < 0.0:
             raise ValueError(f"regression must be >= 0, got {self.regression!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Labels:
+    """The target's next-token distribution per position, sparse over the draft vocabulary.
+
+    Position p holds what the target predicts after token p (its logits at p).
+    """
+
+    ids: jax.Array  # [B, L, LABEL_TOP] int32: draft-vocabulary indices, most likely first
+    probs: jax.Array  # [B, L, LABEL_TOP] float32, summing to 1 per position
+    valid: jax.Array  # [B, L] bool: a real position (not padding)
+
+
+@partial(jax.jit, static_argnames=("top",))
+def sparse_labels(target_logits: jax.Array, d2t: jax.Array, valid: jax.Array,
+                  top: int = LABEL_TOP) -> Labels:
+    """Labels from the target's logits [B, L, V] over the draft vocabulary d2t [Vd]."""
+    draft_ids = jnp.arange(d2t.shape[0]) + d2t
+    probs = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)[..., draft_ids]
+    kept, ids = jax.lax.top_k(probs, top)
+    kept = kept / jnp.maximum(kept.sum(-1, keepdims=True), 1e-9)
+    return Labels(ids.astype(jnp.int32), kept, valid)
 
 
 @jax.tree_util.register_dataclass
@@ -123,38 +155,37 @@ def unrolled_steps(head: EagleHead, target: Any, features: jax.Array, tokens: ja
 
 def head_loss(params: HeadParams, head_state: EagleState, target_state: ModelState,
               features: jax.Array, final_hidden: jax.Array, tokens: jax.Array,
-              target_logits: jax.Array, num_steps: int, weights: LossWeights
+              labels: Labels, num_steps: int, weights: LossWeights
               ) -> tuple[jax.Array, StepMetrics]:
     """Scalar loss and per-step metrics for one batch.
 
-    features [B, L, F], final_hidden [B, L, H] (the target's normed hidden),
-    tokens [B, L], target_logits [B, L, V] float32.
+    features [B, L, F], final_hidden [B, L, H] (the target's normed hidden;
+    EAGLE-1 only), tokens [B, L], labels of the target's next-token
+    distributions (padding positions count nowhere).
     """
     head = head_state.replace_params(params).module()
     target = target_state.module()
     config = head.config
     n = tokens.shape[1]
-    draft_ids = jnp.arange(config.draft_vocab_size) + head_state.d2t
-    labels = jax.nn.softmax(target_logits[:, 1:], axis=-1)[..., draft_ids]  # [B, L-1, Vd]
-    labels = labels / jnp.maximum(labels.sum(-1, keepdims=True), 1e-9)
-    label_top = jnp.argmax(labels, axis=-1)
+    label_ids, label_probs = labels.ids[:, 1:], labels.probs[:, 1:]  # [B, L-1, K]
+    real = labels.valid[:, 1:].astype(jnp.float32)  # [B, L-1]
     pos = jnp.arange(n - 1)
     total = jnp.zeros((), jnp.float32)
     losses, accuracies = [], []
-    for s, out in enumerate(unrolled_steps(head, target, features, tokens, num_steps), start=1):
-        valid = (pos >= s - 1).astype(jnp.float32)[None, :]  # [1, L-1]: the round has an anchor
+    outputs = unrolled_steps(head, target, features.astype(jnp.float32), tokens, num_steps)
+    for s, out in enumerate(outputs, start=1):
+        valid = real * (pos >= s - 1)[None, :]  # the round has an anchor
+        count = jnp.maximum(valid.sum(), 1.0)
         logp = jax.nn.log_softmax(head.logits(out[:, :-1], target), axis=-1)
-        ce = -(labels * logp).sum(-1)
-        step_loss = (ce * valid).sum() / (valid.sum() * tokens.shape[0])
-        accuracy = ((jnp.argmax(logp, -1) == label_top) * valid).sum() / (
-            valid.sum() * tokens.shape[0])
+        ce = -(label_probs * jnp.take_along_axis(logp, label_ids, axis=-1)).sum(-1)
+        step_loss = (ce * valid).sum() / count
+        accuracy = ((jnp.argmax(logp, -1) == label_ids[..., 0]) * valid).sum() / count
         weight = weights.step_decay ** (s - 1)
         total = total + weight * step_loss
         if config.layout is EagleLayout.EAGLE1 and weights.regression:
             err = optax.huber_loss(out[:, :-1].astype(jnp.float32),
                                    final_hidden[:, 1:].astype(jnp.float32)).mean(-1)
-            total = total + weight * weights.regression * (err * valid).sum() / (
-                valid.sum() * tokens.shape[0])
+            total = total + weight * weights.regression * (err * valid).sum() / count
         losses.append(step_loss)
         accuracies.append(accuracy)
     return total, StepMetrics(jnp.stack(losses), jnp.stack(accuracies))
@@ -162,17 +193,17 @@ def head_loss(params: HeadParams, head_state: EagleState, target_state: ModelSta
 
 def make_train_step(optimizer: optax.GradientTransformation, num_steps: int,
                     weights: LossWeights) -> Any:
-    """A jitted (params, opt_state, head, target, features, hidden, tokens, logits) ->
+    """A jitted (params, opt_state, head, target, features, hidden, tokens, labels) ->
     (params, opt_state, loss, metrics) update."""
 
     @partial(jax.jit, donate_argnums=(0, 1))
     def train_step(params: HeadParams, opt_state: Any, head_state: EagleState,
                    target_state: ModelState, features: jax.Array, final_hidden: jax.Array,
-                   tokens: jax.Array, target_logits: jax.Array
+                   tokens: jax.Array, labels: Labels
                    ) -> tuple[HeadParams, Any, jax.Array, StepMetrics]:
         grad_fn = jax.value_and_grad(head_loss, has_aux=True)
         (loss, metrics), grads = grad_fn(params, head_state, target_state, features,
-                                         final_hidden, tokens, target_logits, num_steps, weights)
+                                         final_hidden, tokens, labels, num_steps, weights)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss, metrics
 

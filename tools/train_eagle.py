@@ -39,7 +39,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +60,8 @@ from esurge.runner.device_step import model_step_features  # noqa: E402
 from esurge.spec_decode.checkpoint import eagle_config_dict, save_eagle_head  # noqa: E402
 from esurge.spec_decode.config import EagleConfig, EagleLayout  # noqa: E402
 from esurge.spec_decode.head import EagleState, init_head  # noqa: E402
-from tools.eagle_training import LossWeights, make_train_step  # noqa: E402
+from tools.eagle_data import FeatureSet  # noqa: E402
+from tools.eagle_training import Labels, LossWeights, make_train_step, sparse_labels  # noqa: E402
 from tools.lm_data import read_texts, split_files, token_stream  # noqa: E402
 from tools.tokenizer_training import stdlib_files  # noqa: E402
 
@@ -95,6 +96,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true",
                    help="train on the target's answers to chat prompts (tools/chat_prompts.py) "
                         "instead of text files; evaluate on held-out topics")
+    p.add_argument("--data-cache", type=Path, default=None,
+                   help="--chat: keep the answers and the target's features in this .npz "
+                        "file, and reuse them when it exists (same target and --draft-vocab)")
     p.add_argument("--eval-prompts", type=int, default=0)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -112,6 +116,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     f"{available}, got {args.distill_prompts}")
         if args.text:
             p.error("--text and --chat exclude each other: --chat trains on chat answers")
+        if args.layout != EagleLayout.EAGLE3.value:
+            p.error("--chat trains an EAGLE-3 head (--layout eagle3): its kept features "
+                    "carry no final hidden state for EAGLE-1's regression")
+    elif args.data_cache is not None:
+        p.error("--data-cache keeps --chat training data: it needs --chat")
     return args
 
 
@@ -190,9 +199,9 @@ def _chat_config(context: int, spec: SpeculativeConfig | None = None) -> Config:
                   spec)
 
 
-def _chat_stream(args: argparse.Namespace) -> np.ndarray:
-    """The target's greedy answers to training chat prompts, with their prompts, as one
-    token stream (answers end where the model ends its turn, or at --distill-tokens)."""
+def _chat_sequences(args: argparse.Namespace) -> list[np.ndarray]:
+    """The target's greedy answers to training chat prompts, each with its prompt
+    (answers end where the model ends its turn, or at --distill-tokens)."""
     from esurge import SamplingParams, eSurge
     from esurge.engine.chat import ChatMessage, ChatPrompt
     from tools.chat_prompts import chat_prompts
@@ -204,10 +213,43 @@ def _chat_stream(args: argparse.Namespace) -> np.ndarray:
     with eSurge(args.target, _chat_config(256 + args.distill_tokens), show_progress=False,
                 warmup=False) as llm:
         outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=args.distill_tokens))
-    stream = [t for o in outs for t in [*o.prompt_token_ids, *o.outputs[0].token_ids]]
-    print(f"answered {len(prompts)} chat prompts ({len(stream)} tokens) in "
+    sequences = [np.asarray([*o.prompt_token_ids, *o.outputs[0].token_ids], np.int64)
+                 for o in outs]
+    print(f"answered {len(prompts)} chat prompts ({sum(map(len, sequences))} tokens) in "
           f"{time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
-    return np.asarray(stream, np.int64)
+    return sequences
+
+
+def _chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfig
+               ) -> FeatureSet:
+    """The chat sequences with the target's features and labels: from --data-cache
+    when it holds them, else computed (and written there when given)."""
+    if args.data_cache is not None and args.data_cache.is_file():
+        data = FeatureSet.load(args.data_cache)
+        if len(data.d2t) != config.draft_vocab_size:
+            raise ValueError(f"{args.data_cache} was computed for a draft vocabulary of "
+                             f"{len(data.d2t)}, not --draft-vocab {config.draft_vocab_size}")
+        print(f"read {len(data.tokens)} sequences ({data.num_tokens} tokens) from "
+              f"{args.data_cache}", file=sys.stderr, flush=True)
+        return data
+    sequences = _chat_sequences(args)
+    d2t = _d2t(np.concatenate(sequences), config)
+    cut = sum(len(s) > args.context for s in sequences)
+    if cut:
+        print(f"{cut} sequences longer than --context {args.context} are cut", file=sys.stderr)
+    target_fn = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
+                               args.batch_size, args.context)
+    began = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        print(f"target features: {done}/{total} sequences, {time.monotonic() - began:.0f}s",
+              file=sys.stderr, flush=True)
+
+    data = FeatureSet.compute(target_fn, sequences, args.context, d2t, args.batch_size,
+                              progress)
+    if args.data_cache is not None:
+        data.save(args.data_cache)
+    return data
 
 
 def evaluate_chat(target_path: Path, head_dir: Path, num_prompts: int, k: int,
@@ -254,8 +296,8 @@ def _distilled(target_dir: Path, stream: np.ndarray, args: argparse.Namespace,
                     np.int32)
 
 
-def _batches(stream: np.ndarray, distilled: np.ndarray | None, args: argparse.Namespace,
-             rng: np.random.Generator) -> Any:
+def _windows(stream: np.ndarray, distilled: np.ndarray | None, args: argparse.Namespace,
+             rng: np.random.Generator) -> Iterator[np.ndarray]:
     """Endless [B, context] batches: random windows, half distilled when there are any."""
     n = args.context
     while True:
@@ -267,15 +309,33 @@ def _batches(stream: np.ndarray, distilled: np.ndarray | None, args: argparse.Na
         yield np.stack(rows).astype(np.int32)
 
 
+Batch = tuple[jax.Array, jax.Array, jax.Array, Labels]  # features, final hidden, tokens, labels
+
+
+def _text_batches(args: argparse.Namespace, target: LoadedModel, config: EagleConfig,
+                  stream: np.ndarray, d2t: np.ndarray, rng: np.random.Generator
+                  ) -> Iterator[Batch]:
+    """Windows of the text (and distilled continuations), the target run on each batch."""
+    distilled = _distilled(args.target, stream, args, rng) if args.distill_prompts else None
+    target_fn = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
+                               args.batch_size, args.context)
+    valid = jnp.ones((args.batch_size, args.context), bool)
+    for windows in _windows(stream, distilled, args, rng):
+        feats, hidden, logits = target_fn(windows)
+        yield feats, hidden, jnp.asarray(windows), sparse_labels(logits, jnp.asarray(d2t), valid)
+
+
+def _chat_batches(data: FeatureSet, args: argparse.Namespace, rng: np.random.Generator
+                  ) -> Iterator[Batch]:
+    """Whole chats with their kept features (EAGLE-3: no final hidden needed)."""
+    none = jnp.zeros((0,), jnp.float32)
+    for feats, tokens, labels in data.batches(args.batch_size, rng):
+        yield jnp.asarray(feats), none, jnp.asarray(tokens), labels
+
+
 def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[str, Any]]:
     """Train the head; returns (state, its config.json, training summary)."""
     target = load_model(args.target, "float32")
-    if args.chat:
-        stream = _chat_stream(args)
-    else:
-        train_files, _ = _text_files(args.text)
-        stream = token_stream(_target_tokenizer(args.target, target),
-                              read_texts(tuple(train_files)))
     raw = _head_config(args, target)
     layout = EagleLayout(args.layout)
     config = EagleConfig.from_hf_dict(raw, layout, target.config.num_layers)
@@ -283,12 +343,19 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
     if raw["eagle_aux_hidden_state_layer_ids"] is None:
         del raw["eagle_aux_hidden_state_layer_ids"]
     rng = np.random.default_rng(args.seed)
-    d2t = _d2t(stream, config) if layout is EagleLayout.EAGLE3 else None
-    head = init_head(config, seed=args.seed, d2t=None if d2t is None else jnp.asarray(d2t))
-    distilled = (_distilled(args.target, stream, args, rng)
-                 if args.distill_prompts and not args.chat else None)
-    features = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
-                              args.batch_size, args.context)
+    batches: Iterator[Batch]
+    if args.chat:
+        data = _chat_data(args, target, config)
+        d2t = data.d2t
+        batches = _chat_batches(data, args, rng)
+    else:
+        train_files, _ = _text_files(args.text)
+        stream = token_stream(_target_tokenizer(args.target, target),
+                              read_texts(tuple(train_files)))
+        d2t = (_d2t(stream, config) if layout is EagleLayout.EAGLE3
+               else np.zeros(config.draft_vocab_size, np.int64))
+        batches = _text_batches(args, target, config, stream, d2t, rng)
+    head = init_head(config, seed=args.seed, d2t=jnp.asarray(d2t))
     warmup = min(args.warmup, args.steps // 2)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   args.lr * 0.05)
@@ -297,13 +364,11 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
     params = head.params
     opt_state = optimizer.init(params)
     step_fn = make_train_step(optimizer, args.unroll, LossWeights())
-    batches = _batches(stream, distilled, args, rng)
     began, history = time.monotonic(), []
     for step in range(1, args.steps + 1):
-        windows = next(batches)
-        feats, hidden, logits = features(windows)
+        feats, hidden, tokens, labels = next(batches)
         params, opt_state, loss, metrics = step_fn(params, opt_state, head, target.model_state,
-                                                   feats, hidden, jnp.asarray(windows), logits)
+                                                   feats, hidden, tokens, labels)
         if step % args.log_every == 0 or step == args.steps:
             acc = np.asarray(metrics.accuracy)
             history.append({"step": step, "loss": float(loss), "accuracy": acc.tolist()})

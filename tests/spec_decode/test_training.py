@@ -23,7 +23,7 @@ from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.checkpoint import eagle_config_dict
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 from esurge.spec_decode.head import EagleHead, init_head
-from tools.eagle_training import LossWeights, head_loss, unrolled_steps
+from tools.eagle_training import LossWeights, head_loss, sparse_labels, unrolled_steps
 
 H, V, N = 32, 50, 12
 TARGET = DecoderConfig(
@@ -119,6 +119,7 @@ def test_training_steps_lower_the_loss() -> None:
     features = jnp.asarray(rng.standard_normal((2, N, config.feature_size)), jnp.float32)
     hidden = jnp.asarray(rng.standard_normal((2, N, H)), jnp.float32)
     logits = jnp.asarray(rng.standard_normal((2, N, V)) * 3, jnp.float32)
+    labels = sparse_labels(logits, state.d2t, jnp.ones((2, N), bool))
 
     class _State:  # head_loss merges target_state.module(); the stand-in needs no params
         def module(self) -> _Target:
@@ -126,7 +127,7 @@ def test_training_steps_lower_the_loss() -> None:
 
     def loss(params: object) -> jax.Array:
         return head_loss(params, state, _State(), features, hidden, tokens,  # type: ignore[arg-type]
-                         logits, 2, LossWeights())[0]
+                         labels, 2, LossWeights())[0]
 
     optimizer = optax.adam(3e-3)
     params, opt_state = state.params, optax.adam(3e-3).init(state.params)
@@ -140,3 +141,34 @@ def test_training_steps_lower_the_loss() -> None:
     for _ in range(30):
         params, opt_state = update(params, opt_state)
     assert float(jax.jit(loss)(params)) < 0.8 * first
+
+
+def test_padding_positions_count_nowhere_in_the_loss() -> None:
+    raw = eagle_config_dict(TARGET, EagleLayout.EAGLE3, aux_layer_ids=(2, 3, 4),
+                            draft_vocab_size=30)
+    config = EagleConfig.from_hf_dict(raw, EagleLayout.EAGLE3, TARGET.num_layers)
+    state = init_head(config, seed=0, scale=0.3)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, V, (1, N))
+    features = rng.standard_normal((1, N, config.feature_size)).astype(np.float32)
+    logits = jnp.asarray(rng.standard_normal((1, N, V)) * 3, jnp.float32)
+    real = 7
+    valid = jnp.arange(N)[None, :] < real
+
+    class _State:
+        def module(self) -> _Target:
+            return _Target(jax.random.key(1))
+
+    def loss(tokens: np.ndarray, features: np.ndarray, logits: jax.Array) -> float:
+        labels = sparse_labels(logits, state.d2t, valid)
+        return float(head_loss(state.params, state, _State(),  # type: ignore[arg-type]
+                               jnp.asarray(features), jnp.zeros(0), jnp.asarray(tokens),
+                               labels, 3, LossWeights())[0])
+
+    before = loss(tokens, features, logits)
+    tokens[0, real:] = rng.integers(0, V, N - real)
+    features[0, real:] = 100.0
+    after = loss(tokens, features, logits.at[0, real:].set(7.0))
+    assert after == pytest.approx(before, rel=1e-6)
+    # Not a loss that ignores everything: a real position's label moves it.
+    assert loss(tokens, features, logits.at[0, 3].set(-logits[0, 3])) != pytest.approx(before)
