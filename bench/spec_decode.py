@@ -10,7 +10,8 @@ the prefix cache is off, so every timed set does its whole prefill. Each
 engine runs in a process of its own, the two in turn --rounds times; per
 batch size an untimed pass, then --repeats timed ones on fresh prompts; the
 best time of each engine is reported (the machine may be shared), with the
-Eagle engine's mean acceptance length over its timed runs.
+Eagle engine's mean acceptance length and drafts per verification (the
+adaptive policy chooses each step's count, 1 to k) over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
         [--dtype float32] [--speculation adaptive] [--prompts stdlib|random] [--rounds 2]
@@ -121,7 +122,10 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
                 cursor += batch
             row = {"seconds": best}
             if eagle:
-                row["acceptance"] = llm.runner.spec_stats.mean_acceptance_length
+                stats = llm.runner.spec_stats
+                row["acceptance"] = stats.mean_acceptance_length
+                row["drafts"] = (stats.num_draft_tokens / stats.num_verifications
+                                 if stats.num_verifications else 0.0)
                 rates = getattr(llm.runner.spec.policy, "rates", {})
                 measured = {f"{'spec' if s else 'plain'}@{b}": round(r.tokens_per_s)
                             for (s, b), r in sorted(rates.items(), key=lambda kv: kv[0][1])}
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
         rows.append({"batch": batch, "plain_tok_s": tokens / plain["seconds"],
                      "eagle_tok_s": tokens / eagle["seconds"],
                      "speedup": plain["seconds"] / eagle["seconds"],
-                     "mean_acceptance_length": eagle["acceptance"]})
+                     "mean_acceptance_length": eagle["acceptance"],
+                     "drafts_per_verification": eagle["drafts"]})
     return rows
 
 
@@ -189,11 +194,13 @@ def main() -> int:
             p.error(f"{path} has no config.json (train it first: tools/train_default.py, "
                     "tools/train_eagle.py)")
     rows = run(args)
-    print("\n| batch | plain tok/s | Eagle tok/s | speedup | mean acceptance length |")
-    print("|---|---|---|---|---|")
+    print("\n| batch | plain tok/s | Eagle tok/s | speedup | mean acceptance length | "
+          "drafts per verification |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['eagle_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} |")
+              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
+              f"{r['drafts_per_verification']:.2f} |")
     return 0
 
 

@@ -37,6 +37,7 @@ from esurge.runner.steps.base import DeviceState, PendingStep, StepKind, StepPla
 from esurge.runner.steps.burst import DecodeBurstStep
 from esurge.runner.steps.plain import GrammarFeed, GreedyStep, SampledStep, record_plain
 from esurge.runner.steps.speculative import SpeculativeStep
+from esurge.runner.steps.speculative.calibrate import measure_step_costs
 from esurge.runner.steps.speculative.decoder import SpecDecoder
 from esurge.runner.warmup import warm_up
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
@@ -175,7 +176,12 @@ class eSurgeRunner:
     def warmup(self, progress: WarmupProgress | None = None) -> float:
         """Compile every bucket now; returns the seconds it took."""
         with self.on_mesh():
-            return warm_up(self, progress)
+            seconds = warm_up(self, progress)
+            if self.spec is not None and self.spec.policy.adapts_drafts:
+                began = time.perf_counter()
+                self.spec.calibrate(measure_step_costs(self))
+                seconds += time.perf_counter() - began
+            return seconds
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step synchronously."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["AdaptiveSpeculation", "SpeculationPolicy", "StepRate", "make_policy", "step_cost"]
@@ -87,6 +88,12 @@ class SpeculationPolicy:
     """
 
     drafts_seeded_samples = True
+    # Whether each speculative step's draft count follows measured step costs
+    # (SpecDecoder.calibrate); otherwise every step proposes k drafts.
+    adapts_drafts = False
+    # Predicted speculative / plain token rate by batch size, from step costs
+    # measured at warm-up (DraftLength.predicted_gain); None before them.
+    predict: Callable[[int], float] | None = None
 
     def speculate(self, batch: int, measurable: bool = True) -> bool:
         """True when a step of `batch` requests should draft (and verify).
@@ -115,7 +122,9 @@ class AdaptiveSpeculation(SpeculationPolicy):
     at a batch size and plain decoding none, plain decoding is tried there.
     A batch size measured in neither mode follows its neighbours where they
     decide it: speculation loses from a batch where it lost upward, and wins
-    below a batch where it won. A step that cannot be measured (it carries
+    below a batch where it won; else, once warm-up has measured the step
+    costs (`predict`), speculation is not tried where they predict a rate
+    below `explore_above` times plain decoding's. A step that cannot be measured (it carries
     prompt chunks: while a batch fills up, every step does) never explores:
     it takes the verdict of the nearest batch size measured in both modes.
     The first `settle` steps of each mode and batch size are not counted
@@ -126,10 +135,11 @@ class AdaptiveSpeculation(SpeculationPolicy):
     """
 
     drafts_seeded_samples = False
+    adapts_drafts = True
 
     def __init__(self, min_samples: int = 12, refresh: int = 256, remeasure: int = 8,
                  margin: float = 1.05, margin_per_doubling: float = 0.075,
-                 settle: int = 16) -> None:
+                 settle: int = 16, explore_above: float = 1.0) -> None:
         if min(min_samples, refresh, remeasure) < 1 or settle < 0:
             raise ValueError(f"min_samples, refresh and remeasure must be >= 1 and settle "
                              f">= 0, got {min_samples!r}, {refresh!r}, {remeasure!r}, "
@@ -144,6 +154,7 @@ class AdaptiveSpeculation(SpeculationPolicy):
         self.refresh = refresh
         self.remeasure = remeasure
         self.rates: dict[tuple[bool, int], StepRate] = {}
+        self.explore_above = explore_above
         # Plain steps per batch size since speculation was last measured there,
         # and speculative steps still owed to a re-measurement.
         self._plain_since: dict[int, int] = {}
@@ -179,6 +190,10 @@ class AdaptiveSpeculation(SpeculationPolicy):
         if above and above[0] is True:
             return True
         spec = self.rates.get((True, batch))
+        if spec is None and self.predict is not None and self.predict(batch) < self.explore_above:
+            # The measured step costs say speculation loses here even with nothing
+            # spent outside its parts: not worth a trial.
+            return False
         return spec is None or spec.samples < self.min_samples
 
     def _measured(self, batch: int) -> bool | None:

@@ -223,7 +223,7 @@ def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: Mod
         new = attend.cache()
         return (new.keys, new.values, hidden, token, pos), (token, probs)
 
-    xs = None if noise is None else noise[1:]
+    xs = None if noise is None else noise[1:num_steps + 1]
     init = (cache.keys, cache.values, first.hidden, first.token, first.position)
     final, (more_tokens, more_probs) = lax.scan(body, init, xs, length=num_steps)
     drafts = jnp.concatenate([first.token[:, None], more_tokens.T], axis=1)

@@ -143,3 +143,54 @@ def test_a_speculative_step_behind_a_plain_one_in_flight(
         [greedy_chain(probs, p, 80) for p in first] + [greedy_chain(probs, late, 60)])
     assert True in early, "no speculative step was dispatched behind a plain one in flight"
     assert accepted[ids[-1]] > 0 and not any(accepted[rid] for rid in ids[:4])
+
+
+class _Always(SpeculationPolicy):
+    """Speculate on every step, with the draft counts the measured costs choose."""
+
+    adapts_drafts = True
+
+
+@pytest.mark.parametrize("prior, expected", [(0.0, 1), (1.0, BIGRAM_K)])
+def test_draft_counts_follow_the_acceptance(adaptive_engine: eSurge,
+                                            bigram_dirs: tuple[Path, Path],
+                                            prior: float, expected: int) -> None:
+    from esurge.runner.steps.speculative import verify
+    from esurge.spec_decode.draft_length import Acceptance, CostCurve, DraftLength, StepCosts
+    from tests.spec_decode.helpers import bigram_next_probs
+
+    probs = bigram_next_probs(bigram_dirs[0])
+    runner = adaptive_engine.runner
+    spec = runner.spec
+    assert spec is not None and spec.lengths is not None, "warm-up measured the step costs"
+    costs = spec.lengths.costs
+    assert costs.k == BIGRAM_K and costs.plain(1) > 0
+    assert all(costs.speculative(b, d) > 0 for b in (1, 4, 32) for d in range(1, BIGRAM_K + 1))
+    spec.policy = _Always()
+    # Steps costing 1 + 0.1 per row (the measured ones of this tiny model are
+    # within noise of each other), and an acceptance believed nil or certain
+    # whatever the steps show: one draft a step is all that can pay in the
+    # first case, k in the second.
+    batches = (1, 2, 4, 8)
+    synthetic = StepCosts(CostCurve(tuple((b, 1 + 0.1 * b) for b in batches)), tuple(
+        CostCurve(tuple((b, 1 + 0.1 * b * (d + 1)) for b in batches))
+        for d in range(1, BIGRAM_K + 1)))
+    measured = spec.lengths
+    spec.lengths = DraftLength(synthetic, Acceptance(BIGRAM_K, prior=prior, prior_weight=1e9))
+    jitted: tuple[Any, ...] = (model_step, model_step_features, verify_jit,
+                               proposer.propose_first, proposer._propose_rest,
+                               verify.store_draft_probs)
+    before = [f._cache_size() for f in jitted]
+    stats_before = runner.spec_stats
+    batch = [p[:5] for p in prompts(4, seed=21)]
+    outs = adaptive_engine.generate(batch, greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == [greedy_chain(probs, p, 30) for p in batch]
+    stats = runner.spec_stats
+    assert stats is not None and stats_before is not None
+    verifications = stats.num_verifications - stats_before.num_verifications
+    drafted = stats.num_draft_tokens - stats_before.num_draft_tokens
+    assert verifications > 0
+    # Every verification carried the chosen count (fewer only where max_tokens cut it).
+    assert expected * verifications >= drafted > (expected - 0.5) * verifications
+    assert [f._cache_size() for f in jitted] == before, "warm-up compiled every draft count"
+    spec.lengths = measured

@@ -76,8 +76,8 @@ def sampling_tensors(runner: eSurgeRunner, inputs: StepInputs, variant: SamplerV
                                                inputs.sample_positions, variant)
 
 
-def _model_step(runner: eSurgeRunner, inputs: StepInputs
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def run_model_step(runner: eSurgeRunner, inputs: StepInputs
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queue the forward: (logits [L, V], final hidden [T, H], greedy tokens [max_rows])."""
     device = runner.device
     flat, layout = pack_inputs(inputs.batch, inputs.prev_index, inputs.burst_slots)
@@ -185,7 +185,7 @@ class GreedyStep:
                 and not plan.constrained)
 
     def dispatch(self, plan: StepPlan) -> PendingStep:
-        _, hidden, greedy = _model_step(self.runner, plan.inputs)
+        _, hidden, greedy = run_model_step(self.runner, plan.inputs)
         self.runner.device.prev_tokens = greedy
         return _pending(self.runner, self, plan, SamplerOutput(token_ids=greedy), hidden)
 
@@ -210,7 +210,7 @@ class SampledStep:
 
     def dispatch(self, plan: StepPlan) -> PendingStep:
         runner, inputs = self.runner, plan.inputs
-        logits, hidden, _ = _model_step(runner, inputs)
+        logits, hidden, _ = run_model_step(runner, inputs)
         # The model step is queued: the masks are built while it runs.
         tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
                                       allowed=runner.grammar_feed.masks(inputs, plan.constrained))

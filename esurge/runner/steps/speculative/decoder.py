@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -50,6 +51,12 @@ from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draf
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.spec_decode.checkpoint import load_eagle_head
 from esurge.spec_decode.config import EagleLayout
+from esurge.spec_decode.draft_length import (
+    Acceptance,
+    DraftLength,
+    StepCosts,
+    head_acceptance_prior,
+)
 from esurge.spec_decode.policy import SpeculationPolicy, step_cost
 from esurge.spec_decode.proposer import (
     AttentionWindow,
@@ -132,12 +139,28 @@ class SpecDecoder:
         self._slot_of: dict[str, int] = {}
         self.stats = SpecDecodeStats()
         self.policy = policy or SpeculationPolicy()
+        # Each step's draft count, once warm-up has measured the step costs
+        # (calibrate); until then every proposal has k drafts.
+        self.lengths: DraftLength | None = None
+        self.prior = head_acceptance_prior(Path(spec.speculative_model), self.num_spec)
         # Requests that ran a plain step: the head never saw those tokens.
         self.unsynced: set[str] = set()
         self._last_collected: float | None = None
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
                  self.window)
+
+    def calibrate(self, costs: StepCosts | None) -> None:
+        """Choose draft counts from now on by these measured step costs (an adaptive
+        policy also stops exploring speculation where they say it loses)."""
+        if costs is None or costs.k != self.num_spec:
+            return
+        self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
+        self.policy.predict = self.lengths.predicted_gain
+
+    def drafts_for(self, batch: int) -> int:
+        """How many drafts to propose for a step of `batch` requests."""
+        return self.num_spec if self.lengths is None else self.lengths.best(batch)
 
     def admit(self, new: NewRequestData) -> None:
         """A request entering the batch: one the policy keeps from drafting (a
@@ -170,8 +193,11 @@ class SpecDecoder:
         if inputs.num_tokens != decoding or not inputs.samples.all():
             return
         tokens = sum(len(ids) for ids in out.sampled_token_ids)
-        self.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens,
-                            step_cost(started, now, last))
+        seconds = step_cost(started, now, last)
+        self.policy.observe(inputs.num_spec > 0, len(inputs.req_ids), tokens, seconds)
+        drafts = inputs.num_drafts
+        if self.lengths is not None and len(drafts) and drafts.min() == drafts.max() > 0:
+            self.lengths.observe(len(inputs.req_ids), int(drafts[0]), seconds)
 
     def release(self, req_ids: set[str]) -> None:
         """Free the draft-distribution slots of requests that left the batch."""
@@ -190,14 +216,16 @@ class SpecDecoder:
     def run(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
             inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
             *, grammar_rows: np.ndarray | None = None, always_draft: bool = False,
-            always_masked: bool = False) -> tuple[jax.Array, KVCache, SpecStep]:
+            always_masked: bool = False, proposals: int | None = None
+            ) -> tuple[jax.Array, KVCache, SpecStep]:
         """Target forward, verification and proposal: (final hidden [T, H], cache, step).
 
         When a request that drafts follows a grammar (grammar_rows [num_reqs]
         bool), the proposal stops after the first pass: its drafts are drawn
         under masks once the emitted tokens are known (`masked_proposals`).
         always_draft runs the whole proposer even when no request gets drafts,
-        always_masked stops after the first pass (both for warm-up).
+        always_masked stops after the first pass (both for warm-up); proposals
+        overrides the draft count proposed for the next step (drafts_for).
         """
         logits, hidden, features, kv_cache = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers)
@@ -212,12 +240,13 @@ class SpecDecoder:
             return hidden, kv_cache, SpecStep(verified, None, eligible, first, draft_batch)
         # Without a request to draft for (prefill chunks only), the pass that writes
         # the draft's cache for this step's tokens is all that is needed.
+        drafting = always_draft or bool(eligible.any())
+        count = proposals if proposals is not None else self.drafts_for(len(inputs.req_ids))
         new_drafts, probs, self.cache = propose(
             self.head, self.cache, model_state, draft_batch, features, verified.token_ids,
-            verified.num_out, verified.draft_noise,
-            num_drafts=self.num_spec if always_draft or eligible.any() else 1,
+            verified.num_out, verified.draft_noise, num_drafts=count if drafting else 1,
             window=self.window)
-        if probs is not None and (always_draft or eligible.any()):
+        if probs is not None and drafting:
             self.store_probs(ib, inputs, eligible, probs)
         return hidden, kv_cache, SpecStep(verified, new_drafts, eligible)
 
@@ -274,7 +303,9 @@ class SpecDecoder:
         draft_batch = DraftBatch(
             positions=batch.positions, token_req=batch.token_req,
             slot_mapping=batch.slot_mapping[g], page_tables=batch.page_tables[g],
-            num_tokens=np.int32(total), next_ids=next_ids, next_slot=next_slot,
+            # The batch's real rows (the step's tokens; more in calibrate's timing steps).
+            num_tokens=np.int32(batch.query_start_loc[-1]), next_ids=next_ids,
+            next_slot=next_slot,
             first_row=first_row, propose=propose_mask,
             temperature=np.asarray(tensors.temperature, np.float32))
         return draft_batch, eligible
@@ -288,6 +319,7 @@ class SpecDecoder:
         emitted: list[list[int]] = []
         proposals: list[list[int]] = []
         verifications = drafted = accepted = 0
+        outcomes: list[tuple[int, int]] = []
         for i, req_id in enumerate(inputs.req_ids):
             if not inputs.samples[i]:
                 emitted.append([])
@@ -302,9 +334,12 @@ class SpecDecoder:
             ib.sampling.observe(row, new)
             if nd:
                 verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
+                outcomes.append((nd, n - 1))
             proposals.append(self.allowed_drafts(ib, inputs, i, n, drafts[i])
                              if step.propose[i] and drafts is not None else [])
         self.stats.record(verifications, drafted, accepted)
+        if self.lengths is not None and outcomes:
+            self.lengths.acceptance.record(outcomes)
         return emitted, proposals
 
     def allowed_drafts(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,

@@ -118,9 +118,17 @@ class SpeculativeStep:
         for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
             tensors = dataclasses.replace(sampling_tensors(runner, inputs, variant),
                                           allowed=runner.grammars.all_allowed(rows))
-            _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
-                                                     tensors, variant, always_draft=True)
-            jax.block_until_ready(step.drafts)
+            # Every draft count a step may propose (k always; fewer where the
+            # policy adapts them), compiled once per request bucket.
+            counts = (range(1, self.spec.num_spec + 1)
+                      if self.spec.policy.adapts_drafts
+                      and plan.first_listing(f"draft counts requests={requests} {variant}")
+                      else (self.spec.num_spec,))
+            for count in counts:
+                _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
+                                                         tensors, variant, always_draft=True,
+                                                         proposals=count)
+                jax.block_until_ready(step.drafts)
             # The proposal of a step with constrained requests, drawn one draft at a time.
             _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
                                                      tensors, variant, always_masked=True)

@@ -136,7 +136,7 @@ verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab"))
 def store_draft_probs(
     buffer: jax.Array,  # [M, k, V]
     slots: jax.Array,  # [R] int32
-    probs: jax.Array,  # [R, k, V]
+    probs: jax.Array,  # [R, d, V]: d <= k drafts per request
 ) -> jax.Array:
     """Keep each request's draft distributions until its drafts are verified."""
-    return buffer.at[slots].set(probs)
+    return buffer.at[slots, :probs.shape[1]].set(probs)

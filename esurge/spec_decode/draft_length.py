@@ -1,0 +1,200 @@
+"""How many drafts a speculative step should carry: step costs against expected gain.
+
+A speculative step of B requests with d drafts each runs the target over
+B * (d + 1) rows, the head over the same rows, and d - 1 more single-row
+passes of the head; it gains 1 + a1 + a1*a2 + ... + a1*...*ad tokens per
+request, where aj is the chance that draft j is accepted once drafts
+1..j-1 were. The costs are measured at warm-up per batch size and draft
+count (`StepCosts`, the runner's calibration), because on a CPU they are
+far from linear in rows: the matmul kernels run rows in tiles (2 or 8 rows
+a pass over the weights), so a step of 2 rows can cost what 1 does and one
+of 5 what 6 does. The
+acceptance is measured online (`Acceptance`). `DraftLength` picks the d
+with the best tokens per second, and says what that rate is against a
+plain step's, which the speculation policy uses where it has not measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Acceptance", "CostCurve", "DraftLength", "StepCosts", "chain_rate",
+           "head_acceptance_prior"]
+
+
+@dataclass(frozen=True, slots=True)
+class CostCurve:
+    """Seconds by size (rows or requests), measured at some sizes: linear between
+    two measured sizes, and beyond the largest along the last two's slope."""
+
+    points: tuple[tuple[int, float], ...]  # (size, seconds), sizes ascending
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("points must hold at least one (size, seconds) pair")
+        sizes = [s for s, _ in self.points]
+        if sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"points must have distinct sizes >= 1 in ascending order, "
+                             f"got sizes {sizes!r}")
+        if any(t < 0 for _, t in self.points):
+            raise ValueError(f"points must have seconds >= 0, got {self.points!r}")
+
+    def at(self, size: int) -> float:
+        """Seconds at `size` (at the smallest measured size for anything below it)."""
+        sizes = [s for s, _ in self.points]
+        i = bisect.bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] == size:
+            return self.points[i][1]
+        if i == 0 or len(self.points) == 1:
+            return self.points[0][1] if i == 0 else self.points[-1][1]
+        lo, hi = (i - 1, i) if i < len(sizes) else (len(sizes) - 2, len(sizes) - 1)
+        (s0, t0), (s1, t1) = self.points[lo], self.points[hi]
+        return max(0.0, t0 + (t1 - t0) * (size - s0) / (s1 - s0))
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """Decode steps' seconds by batch size, measured at warm-up."""
+
+    plain_curve: CostCurve
+    speculative_curves: tuple[CostCurve, ...]  # [d - 1]: steps verifying d drafts
+
+    def __post_init__(self) -> None:
+        if not self.speculative_curves:
+            raise ValueError("speculative_curves must hold one curve per draft count >= 1")
+
+    @property
+    def k(self) -> int:
+        """The most drafts measured."""
+        return len(self.speculative_curves)
+
+    def plain(self, batch: int) -> float:
+        """A plain decode step of `batch` requests."""
+        return self.plain_curve.at(batch)
+
+    def speculative(self, batch: int, drafts: int) -> float:
+        """A decode step of `batch` requests verifying and proposing `drafts` each."""
+        if not 1 <= drafts <= self.k:
+            raise ValueError(f"drafts must be in 1..{self.k}, got {drafts!r}")
+        return self.speculative_curves[drafts - 1].at(batch)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """Per draft position j, the chance that draft j is accepted once drafts 1..j-1
+    were: decayed counts, so the estimate follows the workload, shrunk towards
+    `prior` by `prior_weight` pseudo-verifications (a position not drafted for a
+    while drifts back to the prior and gets tried again)."""
+
+    k: int
+    prior: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.99  # per recorded step
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k!r}")
+        if not 0.0 <= self.prior <= 1.0 or self.prior_weight <= 0 or not 0 < self.decay <= 1:
+            raise ValueError(f"prior must be in [0, 1], prior_weight > 0 and decay in (0, 1], "
+                             f"got {self.prior!r}, {self.prior_weight!r}, {self.decay!r}")
+        self.reached = [0.0] * self.k
+        self.accepted = [0.0] * self.k
+
+    def record(self, verified: list[tuple[int, int]]) -> None:
+        """One step's verifications: (drafts verified, drafts accepted) per request."""
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for drafts, accepted in verified:
+            # Draft j was tested when every draft before it was accepted.
+            for j in range(min(drafts, accepted + 1, self.k)):
+                self.reached[j] += 1.0
+                if j < accepted:
+                    self.accepted[j] += 1.0
+
+    def rate(self, position: int) -> float:
+        """The estimate for draft `position` (1-based)."""
+        j = position - 1
+        return ((self.accepted[j] + self.prior * self.prior_weight)
+                / (self.reached[j] + self.prior_weight))
+
+    def expected_tokens(self, drafts: int) -> float:
+        """Tokens a request gains from a step verifying `drafts` drafts."""
+        total, chain = 1.0, 1.0
+        for position in range(1, drafts + 1):
+            chain *= self.rate(position)
+            total += chain
+        return total
+
+
+@dataclass(slots=True)
+class DraftLength:
+    """The draft count with the best expected token rate at a batch size.
+
+    `overhead` is what a speculative step costs beyond its measured parts (it
+    does not overlap the host's work as plain steps do), learnt online from
+    the steps' measured costs (`observe`)."""
+
+    costs: StepCosts
+    acceptance: Acceptance
+    overhead: float = 0.0
+    smoothing: float = 0.1
+
+    @property
+    def k(self) -> int:
+        """The most drafts a step may carry."""
+        return self.acceptance.k
+
+    def rate(self, batch: int, drafts: int) -> float:
+        """Expected tokens per second of decode steps with `drafts` drafts (0: plain)."""
+        if drafts == 0:
+            return batch / max(self.costs.plain(batch), 1e-9)
+        seconds = self.costs.speculative(batch, drafts) + self.overhead
+        return batch * self.acceptance.expected_tokens(drafts) / max(seconds, 1e-9)
+
+    def best(self, batch: int) -> int:
+        """The draft count in 1..k with the best expected rate."""
+        return max(range(1, self.k + 1), key=lambda d: (self.rate(batch, d), -d))
+
+    def predicted_gain(self, batch: int) -> float:
+        """The best speculative rate over the plain rate at this batch size."""
+        return self.rate(batch, self.best(batch)) / self.rate(batch, 0)
+
+    def observe(self, batch: int, drafts: int, seconds: float) -> None:
+        """A measured speculative decode step: moves `overhead` towards what the
+        parts do not explain."""
+        if batch < 1 or drafts < 1 or seconds <= 0:
+            return
+        excess = seconds - self.costs.speculative(batch, drafts)
+        self.overhead += self.smoothing * (max(excess, 0.0) - self.overhead)
+
+
+def chain_rate(mean_length: float, k: int) -> float:
+    """The per-position acceptance a with 1 + a + ... + a**k == mean_length (a
+    head's measured mean acceptance length at k drafts), clipped to [0, 1]."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k!r}")
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if sum(mid ** j for j in range(k + 1)) < mean_length:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def head_acceptance_prior(head_dir: Path, k: int, default: float = 0.6) -> float:
+    """The per-position acceptance to assume before measuring any: from the mean
+    acceptance length the head's trainer recorded (training_info.json, "eval"),
+    else `default`."""
+    try:
+        info = json.loads((head_dir / "training_info.json").read_text())
+        evaluation = info["eval"]
+        return chain_rate(float(evaluation["mean_acceptance_length"]), int(evaluation["k"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
