@@ -14,8 +14,11 @@ Eagle engine's mean acceptance length and drafts per verification (the
 adaptive policy chooses each step's count, 1 to k) over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
-        [--dtype float32] [--speculation adaptive] [--prompts stdlib|random] [--rounds 2]
-        [--scheduling async|sync]
+        [--dtype float32] [--speculation adaptive] [--prompts stdlib|random|chat]
+        [--rounds 2] [--scheduling async|sync] [--model M --head H]
+
+The default model with its head: --model smollm2-135m-instruct
+--head models/smollm2-eagle --prompts chat.
 
 Both engines schedule asynchronously by default (as eSurge(model_dir) does):
 the Eagle engine's plain steps overlap, its speculative ones do not.
@@ -68,6 +71,20 @@ def random_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
     return rng.integers(3, vocab, size=(count, PROMPT_TOKENS)).tolist()
 
 
+def chat_prompts(model_dir: Path, count: int, seed: int) -> list[Any]:
+    """Chat prompts about topics no head was trained on (tools/chat_prompts.py),
+    rendered by the model's chat template, in a seeded order."""
+    import numpy as np
+
+    from esurge.engine.chat import ChatMessage, ChatPrompt
+    from tools.chat_prompts import chat_prompts as held_out
+
+    texts = held_out("heldout")
+    order = np.random.default_rng(seed).permutation(len(texts))
+    return [ChatPrompt((ChatMessage("user", texts[order[i % len(texts)]]),))
+            for i in range(count)]
+
+
 def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
                 dtype: str, speculation: str, async_scheduling: bool) -> Any:
     from esurge import CacheConfig, Config, SchedulerConfig, SpeculativeConfig, eSurge
@@ -88,7 +105,7 @@ def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
     return llm
 
 
-def timed_generate(llm: Any, prompts: list[list[int]]) -> float:
+def timed_generate(llm: Any, prompts: list[Any]) -> float:
     from esurge import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -108,7 +125,8 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
                       args.speculation, args.scheduling == "async")
     out: dict[int, dict[str, float]] = {}
     try:
-        make = held_out_prompts if args.prompts == "stdlib" else random_prompts
+        make = {"stdlib": held_out_prompts, "random": random_prompts,
+                "chat": chat_prompts}[args.prompts]
         pool = make(args.model, max(batches) * (args.repeats + 1) * len(batches), args.seed)
         cursor = 0
         for batch in batches:
@@ -181,16 +199,19 @@ def main() -> int:
     p.add_argument("--scheduling", default="async", choices=("async", "sync"),
                    help="both engines' scheduling (async: the engine's default)")
     p.add_argument("--rounds", type=int, default=2, help="engine processes per engine, in turn")
-    p.add_argument("--prompts", default="stdlib", choices=("stdlib", "random"),
-                   help="held-out stdlib code (drafts often accepted) or random token ids "
-                        "(rarely)")
+    p.add_argument("--prompts", default="stdlib", choices=("stdlib", "random", "chat"),
+                   help="held-out stdlib code (drafts often accepted), random token ids "
+                        "(rarely), or chat prompts on held-out topics (a chat model's head)")
     p.add_argument("--child", choices=("plain", "eagle"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
         print(json.dumps(measure(args, args.child == "eagle")))
         return 0
+    from esurge.packaged import resolve_model_path
+
+    args.model = resolve_model_path(args.model)  # a packaged model's name works too
     for path in (args.model, args.head):
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file() and path.suffix != ".gguf":
             p.error(f"{path} has no config.json (train it first: tools/train_default.py, "
                     "tools/train_eagle.py)")
     rows = run(args)

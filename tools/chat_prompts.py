@@ -22,6 +22,17 @@ TOPICS = (
     "renewable energy", "the solar system", "bees and pollination", "origami",
     "the Industrial Revolution", "tides", "meditation", "dinosaurs", "credit cards",
     "the piano", "deserts", "time zones", "the Eiffel Tower", "composting", "lightning",
+    "octopuses", "the Byzantine Empire", "hurricanes", "supply and demand", "mushrooms",
+    "the telescope", "urban gardening", "the Great Barrier Reef", "fermentation", "elephants",
+    "the Apollo program", "blood types", "the Mongol Empire", "wind turbines", "tornadoes",
+    "the metric system", "sourdough", "the Sahara", "vitamin D", "the steam engine",
+    "photography", "migratory birds", "the Pythagorean theorem", "ancient Greek theatre",
+    "inflation", "the ozone layer", "submarines", "the Hubble telescope", "yoga",
+    "the Panama Canal", "antibiotics", "cryptography", "the Arctic", "typewriters",
+    "marathon running", "the Mayan civilization", "plate tectonics", "maple syrup", "radio waves",
+    "the Louvre", "nuclear fusion", "the Wright brothers", "knitting", "the blue whale",
+    "volunteering", "the Nile", "robotics", "the Magna Carta", "cave paintings",
+    "hot air balloons", "the Cold War", "chocolate", "memory and forgetting", "lighthouses",
 )
 
 TASKS = (

@@ -15,6 +15,10 @@ request that took one never drafts again (`SpecDecoder.unsynced`); new
 requests start drafting where speculation pays at their batch size. Trying
 plain decoding at a batch size is therefore paid once by the requests of that
 step, and only after speculation has been measured there.
+
+How many drafts a speculative step carries (1 to k) is the runner's choice
+from step costs measured at warm-up (esurge.spec_decode.draft_length); the
+same costs tell this policy where speculation is not worth a trial.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def timing_inputs(runner: eSurgeRunner, requests: int, drafts: int) -> StepInput
     inputs = padding_inputs(runner, tokens, bucket)
     width = 1 + (runner.num_spec if drafts else 0)
     logits = np.zeros(bucket * width, np.int32)
-    # Verification reads 1 + drafts rows per request at its own offset; the
-    # head of the model runs over every row up to the last real one.
+    # Verification reads 1 + drafts logits rows per request at its own offset;
+    # the model's LM head runs over every row up to the last real one.
     for i in range(requests):
         logits[i * width:i * width + drafts + 1] = np.arange(i * (drafts + 1),
                                                             (i + 1) * (drafts + 1))
@@ -131,4 +131,3 @@ def measure_step_costs(runner: eSurgeRunner, repeats: int = 3) -> StepCosts | No
              time.perf_counter() - began, costs.plain(1) * 1e3,
              " ".join(f"{costs.speculative(1, d) * 1e3:.2f}" for d in range(1, spec.num_spec + 1)))
     return costs
-
