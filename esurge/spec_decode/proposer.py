@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from esurge.models.forward import ModelState
@@ -198,38 +199,49 @@ def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: Mod
     return FirstDraft(token, probs, hidden, pos), cache
 
 
-@partial(jax.jit, static_argnames=("num_steps", "window"), donate_argnums=(1,))
+@partial(jax.jit, static_argnames=("max_steps", "window"), donate_argnums=(1,))
 def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
                   page_tables: jax.Array, live: jax.Array, temperature: jax.Array,
-                  first: FirstDraft, noise: jax.Array | None, *, num_steps: int,
-                  window: AttentionWindow) -> tuple[jax.Array, jax.Array | None, DraftKVCache]:
-    """Draft tokens 2..k, one position per step (jitted per R only)."""
+                  first: FirstDraft, noise: jax.Array | None, num_steps: jax.Array, *,
+                  max_steps: int, window: AttentionWindow
+                  ) -> tuple[jax.Array, jax.Array | None, DraftKVCache]:
+    """Draft tokens 2..1 + num_steps, one position per step (jitted per R only).
+
+    num_steps (<= max_steps) is traced: one program serves every draft count,
+    running only the passes asked for. Columns past 1 + num_steps of the
+    drafts [R, 1 + max_steps] (and of their distributions) are zeros.
+    """
     # page_tables: [R, P], live: [R] bool, temperature: [R], noise: [k, R, Vd] or None
     head, target = head_state.module(), target_state.module()
     config, d2t = head.config, head_state.d2t
     rows = jnp.arange(page_tables.shape[0])
 
-    def body(carry: tuple[Any, ...], step_noise: jax.Array | None) -> tuple[tuple[Any, ...],
-                                                                          tuple[Any, ...]]:
-        keys, values, hidden, token, pos = carry
+    def body(i: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        keys, values, hidden, token, pos, tokens, probs = carry
         pos = jnp.where(live, pos + 1, 0)
         metadata = AttentionMetadata(pos, rows, page_tables, jnp.asarray(rows.shape[0]))
         slots = _step_slots(page_tables, pos, live, cache.page_size)
         attend = _PagedAttend(DraftKVCache(keys, values), metadata, slots, config, window)
         rope = rope_cos_sin(config.rope, config.head_dim, pos, pos + 1)
         hidden = head.step(hidden, head.embed(token, target), rope, attend)
-        token, probs = _draw(head.logits(hidden, target), temperature, step_noise, d2t,
-                             config.vocab_size)
+        token, step_probs = _draw(head.logits(hidden, target), temperature,
+                                  None if noise is None else noise[i + 1], d2t,
+                                  config.vocab_size)
+        tokens = tokens.at[i].set(token)
+        if probs is not None and step_probs is not None:
+            probs = probs.at[i].set(step_probs)
         new = attend.cache()
-        return (new.keys, new.values, hidden, token, pos), (token, probs)
+        return new.keys, new.values, hidden, token, pos, tokens, probs
 
-    xs = None if noise is None else noise[1:num_steps + 1]
-    init = (cache.keys, cache.values, first.hidden, first.token, first.position)
-    final, (more_tokens, more_probs) = lax.scan(body, init, xs, length=num_steps)
-    drafts = jnp.concatenate([first.token[:, None], more_tokens.T], axis=1)
+    tokens = jnp.zeros((max_steps, rows.shape[0]), jnp.int32)
+    probs = (None if first.probs is None
+             else jnp.zeros((max_steps, *first.probs.shape), first.probs.dtype))
+    init = (cache.keys, cache.values, first.hidden, first.token, first.position, tokens, probs)
+    final = lax.fori_loop(0, num_steps, body, init)
+    drafts = jnp.concatenate([first.token[:, None], final[5].T], axis=1)
     all_probs = None
-    if first.probs is not None and more_probs is not None:
-        all_probs = jnp.concatenate([first.probs[:, None], jnp.swapaxes(more_probs, 0, 1)],
+    if first.probs is not None and final[6] is not None:
+        all_probs = jnp.concatenate([first.probs[:, None], jnp.swapaxes(final[6], 0, 1)],
                                     axis=1)
     return drafts, all_probs, DraftKVCache(final[0], final[1])
 
@@ -287,9 +299,12 @@ def propose(
     noise: jax.Array | None,  # [k, R, draft_vocab] Gumbel noise, None when all greedy
     *,
     num_drafts: int,
+    max_drafts: int,
     window: AttentionWindow,
 ) -> tuple[jax.Array, jax.Array | None, DraftKVCache]:
-    """(drafts [R, k] target ids, their distributions [R, k, V] or None, updated cache).
+    """(drafts [R, D] target ids, their distributions [R, D, V] or None, updated cache):
+    D is 1 for num_drafts 1, else max_drafts (columns past num_drafts are zeros:
+    one program serves every count).
 
     The cache is donated: use only the returned one afterwards.
     """
@@ -298,5 +313,5 @@ def propose(
     if num_drafts == 1:
         return first.token[:, None], None if first.probs is None else first.probs[:, None], cache
     return _propose_rest(head_state, cache, target_state, batch.page_tables, batch.propose,
-                         batch.temperature, first, noise, num_steps=num_drafts - 1,
-                         window=window)
+                         batch.temperature, first, noise, np.int32(num_drafts - 1),
+                         max_steps=max_drafts - 1, window=window)

@@ -84,10 +84,11 @@ class SpecStep:
     """
 
     verified: SpecSamplerOutput
-    drafts: jax.Array | None  # [R, k] int32
+    drafts: jax.Array | None  # [R, D] int32: the first `count` of each row proposed
     propose: np.ndarray  # [num_reqs] bool
     first: FirstDraft | None = None
     draft_batch: DraftBatch | None = None
+    count: int = 0  # drafts proposed per request
 
 
 def _draft_group(groups: tuple[Any, ...]) -> tuple[int, AttentionWindow]:
@@ -245,10 +246,11 @@ class SpecDecoder:
         new_drafts, probs, self.cache = propose(
             self.head, self.cache, model_state, draft_batch, features, verified.token_ids,
             verified.num_out, verified.draft_noise, num_drafts=count if drafting else 1,
-            window=self.window)
+            max_drafts=self.num_spec, window=self.window)
         if probs is not None and drafting:
             self.store_probs(ib, inputs, eligible, probs)
-        return hidden, kv_cache, SpecStep(verified, new_drafts, eligible)
+        return hidden, kv_cache, SpecStep(verified, new_drafts, eligible,
+                                          count=count if drafting else 1)
 
     def store_probs(self, ib: InputBatch, inputs: StepInputs, eligible: np.ndarray,
                     probs: jax.Array) -> None:  # probs: [R, k, V]
@@ -335,7 +337,7 @@ class SpecDecoder:
             if nd:
                 verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
                 outcomes.append((nd, n - 1))
-            proposals.append(self.allowed_drafts(ib, inputs, i, n, drafts[i])
+            proposals.append(self.allowed_drafts(ib, inputs, i, n, drafts[i, :step.count])
                              if step.propose[i] and drafts is not None else [])
         self.stats.record(verifications, drafted, accepted)
         if self.lengths is not None and outcomes:

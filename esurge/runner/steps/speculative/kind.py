@@ -118,11 +118,11 @@ class SpeculativeStep:
         for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
             tensors = dataclasses.replace(sampling_tensors(runner, inputs, variant),
                                           allowed=runner.grammars.all_allowed(rows))
-            # Every draft count a step may propose (k always; fewer where the
-            # policy adapts them), compiled once per request bucket.
-            counts = (range(1, self.spec.num_spec + 1)
-                      if self.spec.policy.adapts_drafts
-                      and plan.first_listing(f"draft counts requests={requests} {variant}")
+            # A proposal of one draft (the head's first pass alone) and one of
+            # more, whose program serves every count from 2 to k; the first's
+            # own program depends on the request bucket only.
+            counts = ((1, self.spec.num_spec) if self.spec.policy.adapts_drafts
+                      and plan.first_listing(f"one draft requests={requests} {variant}")
                       else (self.spec.num_spec,))
             for count in counts:
                 _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
