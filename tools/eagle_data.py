@@ -72,6 +72,16 @@ class FeatureSet:
         return cls(tokens, lengths, np.concatenate(feats), np.concatenate(ids),
                    np.concatenate(probs), np.asarray(d2t, np.int64))
 
+    def extended(self, more: FeatureSet) -> FeatureSet:
+        """This set followed by `more` (same length and draft vocabulary)."""
+        if more.tokens.shape[1] != self.tokens.shape[1] or not np.array_equal(more.d2t,
+                                                                              self.d2t):
+            raise ValueError("only a set of the same length and draft vocabulary extends "
+                             "another")
+        return FeatureSet(*(np.concatenate([getattr(self, name), getattr(more, name)])
+                            for name in ("tokens", "lengths", "features", "label_ids",
+                                         "label_probs")), self.d2t)
+
     @property
     def num_tokens(self) -> int:
         """Real (unpadded) positions."""

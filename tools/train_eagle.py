@@ -16,7 +16,13 @@ evaluates on prompts about held-out topics:
 
     .venv/bin/python tools/train_eagle.py --target ~/.cache/esurge/models/\
         smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf --out H --chat \
-        --draft-vocab 8192 --distill-prompts 576 --distill-tokens 192 --eval-prompts 32
+        --draft-vocab 8192 --distill-prompts 1104 --distill-tokens 208 --steps 414 \
+        --data-cache C.npz --eval-prompts 32
+
+The target runs once per chat (tools/eagle_data.py): its features and labels
+are kept, in C.npz with --data-cache, and a cache of fewer chats is extended.
+The shipped models/smollm2-eagle came from two such runs (576 chats, then
+1,104; the commands are in its training_info.json).
 
 Data: windows of the given text files (default: the standard library files
 of the default model's training split, tools/lm_data.py), plus, with
@@ -199,14 +205,15 @@ def _chat_config(context: int, spec: SpeculativeConfig | None = None) -> Config:
                   spec)
 
 
-def _chat_sequences(args: argparse.Namespace) -> list[np.ndarray]:
-    """The target's greedy answers to training chat prompts, each with its prompt
-    (answers end where the model ends its turn, or at --distill-tokens)."""
+def _chat_sequences(args: argparse.Namespace, start: int = 0) -> list[np.ndarray]:
+    """The target's greedy answers to training chat prompts start..--distill-prompts,
+    each with its prompt (answers end where the model ends its turn, or at
+    --distill-tokens)."""
     from esurge import SamplingParams, eSurge
     from esurge.engine.chat import ChatMessage, ChatPrompt
     from tools.chat_prompts import chat_prompts
 
-    prompts = chat_prompts("train")[:args.distill_prompts]
+    prompts = chat_prompts("train")[start:args.distill_prompts]
     chats = [ChatPrompt((ChatMessage("user", p),)) for p in prompts]
     began = time.monotonic()
     # Room for the rendered prompt (tens of tokens) before the answer.
@@ -223,17 +230,21 @@ def _chat_sequences(args: argparse.Namespace) -> list[np.ndarray]:
 def _chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfig
                ) -> FeatureSet:
     """The chat sequences with the target's features and labels: from --data-cache
-    when it holds them, else computed (and written there when given)."""
+    when it holds them, else computed (and written there when given). A cache
+    of fewer than --distill-prompts chats is extended with the answers to the
+    next prompts, labelled over its own draft vocabulary."""
+    kept: FeatureSet | None = None
     if args.data_cache is not None and args.data_cache.is_file():
-        data = FeatureSet.load(args.data_cache)
-        if len(data.d2t) != config.draft_vocab_size:
+        kept = FeatureSet.load(args.data_cache)
+        if len(kept.d2t) != config.draft_vocab_size:
             raise ValueError(f"{args.data_cache} was computed for a draft vocabulary of "
-                             f"{len(data.d2t)}, not --draft-vocab {config.draft_vocab_size}")
-        print(f"read {len(data.tokens)} sequences ({data.num_tokens} tokens) from "
+                             f"{len(kept.d2t)}, not --draft-vocab {config.draft_vocab_size}")
+        print(f"read {len(kept.tokens)} sequences ({kept.num_tokens} tokens) from "
               f"{args.data_cache}", file=sys.stderr, flush=True)
-        return data
-    sequences = _chat_sequences(args)
-    d2t = _d2t(np.concatenate(sequences), config)
+        if len(kept.tokens) >= args.distill_prompts:
+            return kept
+    sequences = _chat_sequences(args, start=0 if kept is None else len(kept.tokens))
+    d2t = _d2t(np.concatenate(sequences), config) if kept is None else kept.d2t
     cut = sum(len(s) > args.context for s in sequences)
     if cut:
         print(f"{cut} sequences longer than --context {args.context} are cut", file=sys.stderr)
@@ -247,6 +258,8 @@ def _chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfi
 
     data = FeatureSet.compute(target_fn, sequences, args.context, d2t, args.batch_size,
                               progress)
+    if kept is not None:
+        data = kept.extended(data)
     if args.data_cache is not None:
         data.save(args.data_cache)
     return data

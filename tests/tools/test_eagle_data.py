@@ -73,3 +73,16 @@ def test_batches_give_each_sequence_once_per_epoch_with_padding_marked() -> None
     assert sorted(seen) == [5, 8, 8]
     with pytest.raises(ValueError, match="exceeds"):
         next(data.batches(4, np.random.default_rng(0)))
+
+
+def test_a_set_extends_only_one_of_its_kind() -> None:
+    sequences, d2t = _sets()
+    first = FeatureSet.compute(_target, sequences[:2], L, d2t, batch=2)
+    second = FeatureSet.compute(_target, sequences[2:], L, d2t, batch=2)
+    whole = FeatureSet.compute(_target, sequences, L, d2t, batch=2)
+    joined = first.extended(second)
+    for name in ("tokens", "lengths", "label_ids", "label_probs", "d2t"):
+        np.testing.assert_array_equal(getattr(joined, name), getattr(whole, name))
+    other = FeatureSet.compute(_target, sequences[2:], L, d2t + 1, batch=2)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        first.extended(other)
