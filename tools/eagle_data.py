@@ -15,16 +15,59 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from esurge.models import RequestChunk, build_forward_batch, init_kv_cache
+from esurge.models.loader import LoadedModel
+from esurge.runner.device_step import model_step_features
+from esurge.spec_decode.config import EagleConfig
 from tools.eagle_training import LABEL_TOP, Labels, sparse_labels
 
-__all__ = ["FeatureSet", "pad_sequences"]
+__all__ = ["PAGE_SIZE", "FeatureSet", "TargetFeatures", "draft_vocabulary", "pad_sequences"]
+
+PAGE_SIZE = 16
 
 # windows [B, L] int32 -> (features [B, L, F], final hidden [B, L, H], logits [B, L, V])
 TargetFn = Callable[[np.ndarray], tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]]
+
+
+def draft_vocabulary(stream: np.ndarray, config: EagleConfig) -> np.ndarray:
+    """The draft vocabulary: the most frequent tokens, as offsets d2t[d] = id - d."""
+    counts = np.bincount(stream, minlength=config.vocab_size)
+    keep = np.sort(np.argsort(-counts, kind="stable")[:config.draft_vocab_size])
+    return (keep - np.arange(config.draft_vocab_size)).astype(np.int64)
+
+
+class TargetFeatures:
+    """The target's features, final hidden states and logits for batches of windows."""
+
+    def __init__(self, target: LoadedModel, feature_layers: tuple[int, ...], batch: int,
+                 context: int) -> None:
+        self.target, self.feature_layers = target, feature_layers
+        self.batch, self.context = batch, context
+        pages_per = -(-context // PAGE_SIZE)
+        self.num_pages = batch * pages_per + 1
+        self.cache = init_kv_cache(target.cache_groups(self.num_pages, PAGE_SIZE))
+        self.tables = [list(range(1 + i * pages_per, 1 + (i + 1) * pages_per))
+                       for i in range(batch)]
+
+    def __call__(self, windows: np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """windows [B, L] -> features [B, L, F], hidden [B, L, H], logits [B, L, V]."""
+        b, n = windows.shape
+        groups = self.cache.num_groups
+        chunks = [RequestChunk(w.tolist(), 0, [t] * groups, num_logits=n)
+                  for w, t in zip(windows, self.tables, strict=True)]
+        fb = build_forward_batch(chunks, page_size=PAGE_SIZE, num_groups=groups,
+                                 num_tokens_bucket=b * n, num_reqs_bucket=b,
+                                 max_pages_per_req=len(self.tables[0]),
+                                 num_logits_bucket=b * n, num_pages=self.num_pages)
+        logits, hidden, features, self.cache = model_step_features(
+            self.target.model_state, self.cache, fb, self.feature_layers)
+        return (features.reshape(b, n, -1), hidden.reshape(b, n, -1),
+                logits.reshape(b, n, -1))
 
 
 def pad_sequences(sequences: list[np.ndarray], length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,9 +121,11 @@ class FeatureSet:
                                                                               self.d2t):
             raise ValueError("only a set of the same length and draft vocabulary extends "
                              "another")
-        return FeatureSet(*(np.concatenate([getattr(self, name), getattr(more, name)])
-                            for name in ("tokens", "lengths", "features", "label_ids",
-                                         "label_probs")), self.d2t)
+        def both(name: str) -> np.ndarray:
+            return np.concatenate([getattr(self, name), getattr(more, name)])
+
+        return FeatureSet(both("tokens"), both("lengths"), both("features"), both("label_ids"),
+                          both("label_probs"), self.d2t)
 
     @property
     def num_tokens(self) -> int:

@@ -53,27 +53,25 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make `tools` and `esurge` importable
     sys.path.insert(0, str(REPO))
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig  # noqa: E402
-from esurge.models import RequestChunk, build_forward_batch, init_kv_cache, load_model  # noqa: E402
+from esurge.models import load_model  # noqa: E402
 from esurge.models.loader import LoadedModel  # noqa: E402
-from esurge.runner.device_step import model_step_features  # noqa: E402
 from esurge.spec_decode.checkpoint import eagle_config_dict, save_eagle_head  # noqa: E402
 from esurge.spec_decode.config import EagleConfig, EagleLayout  # noqa: E402
 from esurge.spec_decode.head import EagleState, init_head  # noqa: E402
-from tools.eagle_data import FeatureSet  # noqa: E402
-from tools.eagle_training import Labels, LossWeights, make_train_step, sparse_labels  # noqa: E402
+from tools.eagle_chat import Batch, chat_batches, chat_data, evaluate_chat  # noqa: E402
+from tools.eagle_data import PAGE_SIZE, TargetFeatures, draft_vocabulary  # noqa: E402
+from tools.eagle_training import LossWeights, make_train_step, sparse_labels  # noqa: E402
 from tools.lm_data import read_texts, split_files, token_stream  # noqa: E402
 from tools.tokenizer_training import stdlib_files  # noqa: E402
 
 __all__ = ["main", "parse_args"]
 
-PAGE_SIZE = 16
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -153,42 +151,6 @@ def _head_config(args: argparse.Namespace, target: LoadedModel) -> dict[str, Any
                              intermediate_size=args.intermediate_size)
 
 
-def _d2t(stream: np.ndarray, config: EagleConfig) -> np.ndarray:
-    """The draft vocabulary: the most frequent tokens, as offsets d2t[d] = id - d."""
-    counts = np.bincount(stream, minlength=config.vocab_size)
-    keep = np.sort(np.argsort(-counts, kind="stable")[:config.draft_vocab_size])
-    return (keep - np.arange(config.draft_vocab_size)).astype(np.int64)
-
-
-class TargetFeatures:
-    """The target's features, final hidden states and logits for batches of windows."""
-
-    def __init__(self, target: LoadedModel, feature_layers: tuple[int, ...], batch: int,
-                 context: int) -> None:
-        self.target, self.feature_layers = target, feature_layers
-        self.batch, self.context = batch, context
-        pages_per = -(-context // PAGE_SIZE)
-        self.num_pages = batch * pages_per + 1
-        self.cache = init_kv_cache(target.cache_groups(self.num_pages, PAGE_SIZE))
-        self.tables = [list(range(1 + i * pages_per, 1 + (i + 1) * pages_per))
-                       for i in range(batch)]
-
-    def __call__(self, windows: np.ndarray) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """windows [B, L] -> features [B, L, F], hidden [B, L, H], logits [B, L, V]."""
-        b, n = windows.shape
-        groups = self.cache.num_groups
-        chunks = [RequestChunk(w.tolist(), 0, [t] * groups, num_logits=n)
-                  for w, t in zip(windows, self.tables, strict=True)]
-        fb = build_forward_batch(chunks, page_size=PAGE_SIZE, num_groups=groups,
-                                 num_tokens_bucket=b * n, num_reqs_bucket=b,
-                                 max_pages_per_req=len(self.tables[0]),
-                                 num_logits_bucket=b * n, num_pages=self.num_pages)
-        logits, hidden, features, self.cache = model_step_features(
-            self.target.model_state, self.cache, fb, self.feature_layers)
-        return (features.reshape(b, n, -1), hidden.reshape(b, n, -1),
-                logits.reshape(b, n, -1))
-
-
 def _target_tokenizer(target_path: Path, target: LoadedModel) -> Tokenizer:
     """The target's tokenizer: its tokenizer.json, or the one rebuilt from a GGUF."""
     if target.source_kind == "gguf":
@@ -196,93 +158,6 @@ def _target_tokenizer(target_path: Path, target: LoadedModel) -> Tokenizer:
             raise ValueError(f"{target_path} carries no tokenizer")
         return target.hf_tokenizer.backend_tokenizer
     return Tokenizer.from_file(str(target_path / "tokenizer.json"))
-
-
-def _chat_config(context: int, spec: SpeculativeConfig | None = None) -> Config:
-    return Config(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=2048,
-                                  max_model_len=context, chunked_prefill_enabled=True),
-                  CacheConfig(num_pages=None, page_size=PAGE_SIZE, enable_prefix_caching=True),
-                  spec)
-
-
-def _chat_sequences(args: argparse.Namespace, start: int = 0) -> list[np.ndarray]:
-    """The target's greedy answers to training chat prompts start..--distill-prompts,
-    each with its prompt (answers end where the model ends its turn, or at
-    --distill-tokens)."""
-    from esurge import SamplingParams, eSurge
-    from esurge.engine.chat import ChatMessage, ChatPrompt
-    from tools.chat_prompts import chat_prompts
-
-    prompts = chat_prompts("train")[start:args.distill_prompts]
-    chats = [ChatPrompt((ChatMessage("user", p),)) for p in prompts]
-    began = time.monotonic()
-    # Room for the rendered prompt (tens of tokens) before the answer.
-    with eSurge(args.target, _chat_config(256 + args.distill_tokens), show_progress=False,
-                warmup=False) as llm:
-        outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=args.distill_tokens))
-    sequences = [np.asarray([*o.prompt_token_ids, *o.outputs[0].token_ids], np.int64)
-                 for o in outs]
-    print(f"answered {len(prompts)} chat prompts ({sum(map(len, sequences))} tokens) in "
-          f"{time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
-    return sequences
-
-
-def _chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfig
-               ) -> FeatureSet:
-    """The chat sequences with the target's features and labels: from --data-cache
-    when it holds them, else computed (and written there when given). A cache
-    of fewer than --distill-prompts chats is extended with the answers to the
-    next prompts, labelled over its own draft vocabulary."""
-    kept: FeatureSet | None = None
-    if args.data_cache is not None and args.data_cache.is_file():
-        kept = FeatureSet.load(args.data_cache)
-        if len(kept.d2t) != config.draft_vocab_size:
-            raise ValueError(f"{args.data_cache} was computed for a draft vocabulary of "
-                             f"{len(kept.d2t)}, not --draft-vocab {config.draft_vocab_size}")
-        print(f"read {len(kept.tokens)} sequences ({kept.num_tokens} tokens) from "
-              f"{args.data_cache}", file=sys.stderr, flush=True)
-        if len(kept.tokens) >= args.distill_prompts:
-            return kept
-    sequences = _chat_sequences(args, start=0 if kept is None else len(kept.tokens))
-    d2t = _d2t(np.concatenate(sequences), config) if kept is None else kept.d2t
-    cut = sum(len(s) > args.context for s in sequences)
-    if cut:
-        print(f"{cut} sequences longer than --context {args.context} are cut", file=sys.stderr)
-    target_fn = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
-                               args.batch_size, args.context)
-    began = time.monotonic()
-
-    def progress(done: int, total: int) -> None:
-        print(f"target features: {done}/{total} sequences, {time.monotonic() - began:.0f}s",
-              file=sys.stderr, flush=True)
-
-    data = FeatureSet.compute(target_fn, sequences, args.context, d2t, args.batch_size,
-                              progress)
-    if kept is not None:
-        data = kept.extended(data)
-    if args.data_cache is not None:
-        data.save(args.data_cache)
-    return data
-
-
-def evaluate_chat(target_path: Path, head_dir: Path, num_prompts: int, k: int,
-                  max_tokens: int = 128) -> dict[str, float]:
-    """Mean acceptance length (greedy, k drafts) on chat prompts about held-out topics."""
-    from esurge import SamplingParams, eSurge
-    from esurge.engine.chat import ChatMessage, ChatPrompt
-    from tools.chat_prompts import chat_prompts
-
-    prompts = chat_prompts("heldout")[::max(1, len(chat_prompts("heldout")) // num_prompts)]
-    chats = [ChatPrompt((ChatMessage("user", p),)) for p in prompts[:num_prompts]]
-    with eSurge(target_path, _chat_config(512, SpeculativeConfig(k, str(head_dir))),
-                show_progress=False, warmup=False, speculation="always") as llm:
-        llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens))
-        stats = llm.runner.spec_stats
-    if stats is None:
-        raise RuntimeError("the evaluation engine ran without speculation")
-    return {"k": k, "prompts": len(chats), "mean_acceptance_length":
-            round(stats.mean_acceptance_length, 3),
-            "acceptance_rate": round(stats.acceptance_rate, 3)}
 
 
 def _distilled(target_dir: Path, stream: np.ndarray, args: argparse.Namespace,
@@ -322,9 +197,6 @@ def _windows(stream: np.ndarray, distilled: np.ndarray | None, args: argparse.Na
         yield np.stack(rows).astype(np.int32)
 
 
-Batch = tuple[jax.Array, jax.Array, jax.Array, Labels]  # features, final hidden, tokens, labels
-
-
 def _text_batches(args: argparse.Namespace, target: LoadedModel, config: EagleConfig,
                   stream: np.ndarray, d2t: np.ndarray, rng: np.random.Generator
                   ) -> Iterator[Batch]:
@@ -336,14 +208,6 @@ def _text_batches(args: argparse.Namespace, target: LoadedModel, config: EagleCo
     for windows in _windows(stream, distilled, args, rng):
         feats, hidden, logits = target_fn(windows)
         yield feats, hidden, jnp.asarray(windows), sparse_labels(logits, jnp.asarray(d2t), valid)
-
-
-def _chat_batches(data: FeatureSet, args: argparse.Namespace, rng: np.random.Generator
-                  ) -> Iterator[Batch]:
-    """Whole chats with their kept features (EAGLE-3: no final hidden needed)."""
-    none = jnp.zeros((0,), jnp.float32)
-    for feats, tokens, labels in data.batches(args.batch_size, rng):
-        yield jnp.asarray(feats), none, jnp.asarray(tokens), labels
 
 
 def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[str, Any]]:
@@ -358,14 +222,14 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
     rng = np.random.default_rng(args.seed)
     batches: Iterator[Batch]
     if args.chat:
-        data = _chat_data(args, target, config)
+        data = chat_data(args, target, config)
         d2t = data.d2t
-        batches = _chat_batches(data, args, rng)
+        batches = chat_batches(data, args, rng)
     else:
         train_files, _ = _text_files(args.text)
         stream = token_stream(_target_tokenizer(args.target, target),
                               read_texts(tuple(train_files)))
-        d2t = (_d2t(stream, config) if layout is EagleLayout.EAGLE3
+        d2t = (draft_vocabulary(stream, config) if layout is EagleLayout.EAGLE3
                else np.zeros(config.draft_vocab_size, np.int64))
         batches = _text_batches(args, target, config, stream, d2t, rng)
     head = init_head(config, seed=args.seed, d2t=jnp.asarray(d2t))
