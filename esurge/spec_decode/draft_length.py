@@ -31,6 +31,7 @@ class CostCurve:
     two measured sizes, and beyond the largest along the last two's slope."""
 
     points: tuple[tuple[int, float], ...]  # (size, seconds), sizes ascending
+    sizes: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -41,10 +42,11 @@ class CostCurve:
                              f"got sizes {sizes!r}")
         if any(t < 0 for _, t in self.points):
             raise ValueError(f"points must have seconds >= 0, got {self.points!r}")
+        object.__setattr__(self, "sizes", tuple(sizes))  # read on every step
 
     def at(self, size: int) -> float:
         """Seconds at `size` (at the smallest measured size for anything below it)."""
-        sizes = [s for s, _ in self.points]
+        sizes = self.sizes
         i = bisect.bisect_left(sizes, size)
         if i < len(sizes) and sizes[i] == size:
             return self.points[i][1]
