@@ -102,7 +102,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "instead of text files; evaluate on held-out topics")
     p.add_argument("--data-cache", type=Path, default=None,
                    help="--chat: keep the answers and the target's features in this .npz "
-                        "file, and reuse them when it exists (same target and --draft-vocab)")
+                        "file; reuse them when it exists (same target and --draft-vocab), "
+                        "extended when it holds fewer than --distill-prompts chats")
     p.add_argument("--eval-prompts", type=int, default=0)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

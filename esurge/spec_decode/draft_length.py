@@ -50,8 +50,8 @@ class CostCurve:
         i = bisect.bisect_left(sizes, size)
         if i < len(sizes) and sizes[i] == size:
             return self.points[i][1]
-        if i == 0 or len(self.points) == 1:
-            return self.points[0][1] if i == 0 else self.points[-1][1]
+        if i == 0 or len(sizes) == 1:
+            return self.points[0][1]  # below the first, or the only one
         lo, hi = (i - 1, i) if i < len(sizes) else (len(sizes) - 2, len(sizes) - 1)
         (s0, t0), (s1, t1) = self.points[lo], self.points[hi]
         return max(0.0, t0 + (t1 - t0) * (size - s0) / (s1 - s0))

@@ -128,8 +128,9 @@ class AdaptiveSpeculation(SpeculationPolicy):
     decide it: speculation loses from a batch where it lost upward, and wins
     below a batch where it won; else, once warm-up has measured the step
     costs (`predict`), speculation is not tried where they predict a rate
-    below `explore_above` times plain decoding's. A step that cannot be measured (it carries
-    prompt chunks: while a batch fills up, every step does) never explores:
+    below `explore_above` times plain decoding's. A step that cannot be
+    measured (it carries prompt chunks: while a batch fills up, every step
+    does) never explores:
     it takes the verdict of the nearest batch size measured in both modes.
     The first `settle` steps of each mode and batch size are not counted
     (StepRate). Rates are over the last 32 steps, so a workload whose
@@ -148,6 +149,8 @@ class AdaptiveSpeculation(SpeculationPolicy):
             raise ValueError(f"min_samples, refresh and remeasure must be >= 1 and settle "
                              f">= 0, got {min_samples!r}, {refresh!r}, {remeasure!r}, "
                              f"{settle!r}")
+        if explore_above < 0:
+            raise ValueError(f"explore_above must be >= 0, got {explore_above!r}")
         if margin < 1.0 or margin_per_doubling < 0:
             raise ValueError(f"margin must be >= 1 and margin_per_doubling >= 0, got "
                              f"{margin!r}, {margin_per_doubling!r}")

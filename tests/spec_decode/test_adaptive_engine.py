@@ -155,7 +155,6 @@ class _Always(SpeculationPolicy):
 def test_draft_counts_follow_the_acceptance(adaptive_engine: eSurge,
                                             bigram_dirs: tuple[Path, Path],
                                             prior: float, expected: int) -> None:
-    from esurge.runner.steps.speculative import verify
     from esurge.spec_decode.draft_length import Acceptance, CostCurve, DraftLength, StepCosts
     from tests.spec_decode.helpers import bigram_next_probs
 
@@ -166,7 +165,6 @@ def test_draft_counts_follow_the_acceptance(adaptive_engine: eSurge,
     costs = spec.lengths.costs
     assert costs.k == BIGRAM_K and costs.plain(1) > 0
     assert all(costs.speculative(b, d) > 0 for b in (1, 4, 32) for d in range(1, BIGRAM_K + 1))
-    spec.policy = _Always()
     # Steps costing 1 + 0.1 per row (the measured ones of this tiny model are
     # within noise of each other), and an acceptance believed nil or certain
     # whatever the steps show: one draft a step is all that can pay in the
@@ -175,8 +173,21 @@ def test_draft_counts_follow_the_acceptance(adaptive_engine: eSurge,
     synthetic = StepCosts(CostCurve(tuple((b, 1 + 0.1 * b) for b in batches)), tuple(
         CostCurve(tuple((b, 1 + 0.1 * b * (d + 1)) for b in batches))
         for d in range(1, BIGRAM_K + 1)))
-    measured = spec.lengths
+    measured, policy = spec.lengths, spec.policy
+    spec.policy = _Always()
     spec.lengths = DraftLength(synthetic, Acceptance(BIGRAM_K, prior=prior, prior_weight=1e9))
+    try:
+        _check_draft_counts(adaptive_engine, probs, expected)
+    finally:
+        spec.lengths, spec.policy = measured, policy
+
+
+def _check_draft_counts(adaptive_engine: eSurge, probs: Any, expected: int) -> None:
+    """Every verification carries `expected` drafts, the tokens stay the target's,
+    and nothing compiles."""
+    from esurge.runner.steps.speculative import verify
+
+    runner = adaptive_engine.runner
     jitted: tuple[Any, ...] = (model_step, model_step_features, verify_jit,
                                proposer.propose_first, proposer._propose_rest,
                                verify.store_draft_probs)
@@ -193,4 +204,3 @@ def test_draft_counts_follow_the_acceptance(adaptive_engine: eSurge,
     # Every verification carried the chosen count (fewer only where max_tokens cut it).
     assert expected * verifications >= drafted > (expected - 0.5) * verifications
     assert [f._cache_size() for f in jitted] == before, "warm-up compiled every draft count"
-    spec.lengths = measured

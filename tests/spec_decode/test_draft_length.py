@@ -109,3 +109,8 @@ def test_policy_skips_trials_the_costs_rule_out() -> None:
     policy.observe(True, 8, 40, 1.0)
     policy.observe(False, 8, 10, 1.0)
     assert policy.speculate(8)
+
+
+def test_a_negative_exploration_threshold_is_refused() -> None:
+    with pytest.raises(ValueError, match="explore_above"):
+        AdaptiveSpeculation(explore_above=-0.5)
