@@ -21,7 +21,9 @@ The default model with its head: --model smollm2-135m-instruct
 --head models/smollm2-eagle --prompts chat.
 
 Both engines schedule asynchronously by default (as eSurge(model_dir) does):
-the Eagle engine's plain steps overlap, its speculative ones do not.
+the Eagle engine's plain steps overlap; each speculative one is read back
+before the next is scheduled, which then runs while the loop processes the
+outputs.
 --speculation adaptive (the engine's default) lets the Eagle engine draft only
 at batch sizes where it measured speculation paying (it learns during the
 untimed pass of each batch size); always drafts on every step.

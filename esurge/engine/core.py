@@ -6,7 +6,9 @@ so host work overlaps device work. The scheduler's placeholders make the two
 modes produce the same tokens. A step the executor says does not pipeline
 (a speculative one: how many drafts it accepts moves every position after
 it, and its proposals are the next step's drafts) is collected before the
-next is scheduled.
+next is scheduled; the next is then dispatched at once, before the collected
+step's outputs are returned, so that the caller's work on them (detokenizing,
+stop strings, delivery) overlaps the device instead of idling it.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class EngineCore(Generic[PendingStep]):
         self._in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         # Steps dispatched while an earlier one was still running.
         self.num_overlapped_steps = 0
+        # Steps dispatched right after a barrier step was collected, before
+        # its outputs were returned.
+        self.num_early_steps = 0
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (ValueError if the scheduler refuses it)."""
@@ -83,6 +88,8 @@ class EngineCore(Generic[PendingStep]):
         fresh: SchedulerOutput | None = None
         in_flight = self._in_flight
         barrier = bool(in_flight) and not self.executor.pipelines(in_flight[-1][1])
+        if barrier and len(in_flight) == 1:
+            return self._step_past_barrier()
         if self.scheduler.has_requests() and len(in_flight) < 2 and not barrier:
             # Even an empty schedule is dispatched: it carries the ids of
             # finished requests the runner must drop.
@@ -100,6 +107,18 @@ class EngineCore(Generic[PendingStep]):
         scheduler_output, pending = in_flight.popleft()
         runner_output = self.executor.collect(pending)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_past_barrier(self) -> dict[int, EngineCoreOutputs]:
+        """Collect the one step in flight, a barrier, and queue the next before
+        handing its outputs back."""
+        scheduler_output, pending = self._in_flight.popleft()
+        outputs = self.scheduler.update_from_output(scheduler_output,
+                                                    self.executor.collect(pending))
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            self._in_flight.append((scheduler_output, self.executor.dispatch(scheduler_output)))
+            self.num_early_steps += 1
+        return outputs
 
     def shutdown(self) -> None:
         """Drain the in-flight steps and release the scheduler."""

@@ -78,9 +78,10 @@ class eSurgeRunner:
     `config.speculative_config` enabling Eagle, `spec` holds the draft head;
     steps verify and propose drafts where its speculation policy says
     drafting pays (EngineSettings.speculation), else run plain; under async
-    scheduling the plain ones pipeline and the speculative ones do not
-    (`pipelines`). `spec_stats` exposes the engine-wide counters. With it
-    off, `spec` is None.
+    scheduling the plain ones pipeline; a speculative one is collected
+    before the next step is scheduled (`pipelines`), and the next is
+    dispatched before its outputs go back to the engine loop. `spec_stats`
+    exposes the engine-wide counters. With it off, `spec` is None.
     """
 
     def __init__(self, model: LoadedModel, config: Config,

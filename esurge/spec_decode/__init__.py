@@ -13,8 +13,10 @@ target's hidden states. Which steps speculate is the policy's choice
 (`esurge.spec_decode.policy`, EngineSettings.speculation): by default only at
 batch sizes where speculative steps measurably beat plain ones. Speculative
 steps do not pipeline: with `async_scheduling=True` the engine collects
-each speculative step before scheduling the next, while its plain steps
-overlap like any engine's (same tokens either way). Requests whose sampling needs
+each speculative step before scheduling the next (it dispatches that next
+step before handing the outputs back, so their processing overlaps the
+device), while its plain steps overlap like any engine's (same tokens
+either way). Requests whose sampling needs
 per-token host state (penalties, logit bias, allowed/bad words, min_tokens)
 run without drafts.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -144,15 +144,18 @@ class _MixedExecutor:
 
     runner: FakeRunner
     dispatched: int = 0
+    events: list[str] = field(default_factory=list)  # "dispatch", "collect", "collect barrier"
 
     def dispatch(self, out: SchedulerOutput) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         self.dispatched += 1
+        self.events.append("dispatch")
         result = self.runner.execute(out)
         if self.dispatched % 3 and result.spec_token_ids is not None:
             result.spec_token_ids = [[] for _ in result.spec_token_ids]
         return out, result
 
     def collect(self, pending: tuple[SchedulerOutput, ModelRunnerOutput]) -> ModelRunnerOutput:
+        self.events.append("collect" if self.pipelines(pending) else "collect barrier")
         return pending[1]
 
     def pipelines(self, pending: tuple[SchedulerOutput, ModelRunnerOutput]) -> bool:
@@ -178,10 +181,34 @@ def test_async_core_pipelines_plain_steps_and_verifies_drafts(num_pages: int) ->
         assert got.tokens[f"r{k}"] == reference_output(p, 12)
         assert got.reason(f"r{k}") is FinishReason.LENGTH
         accepted += sum(o.num_accepted_tokens for o in got.outputs[f"r{k}"])
-    assert accepted > 0 and core.num_overlapped_steps > 0
+    assert accepted > 0 and core.num_overlapped_steps > 0 and core.num_early_steps > 0
     kv = s.kv_cache_manager
     assert kv.num_free_pages == kv.num_usable_pages
     assert all(r.num_output_placeholders == 0 for r in s.requests.values())
+
+
+def test_the_step_after_a_verification_is_dispatched_before_its_outputs_return() -> None:
+    s = make_scheduler(async_scheduling=True, num_spec=3, max_model_len=32,
+                       max_num_batched_tokens=32)
+    for k, p in enumerate(PROMPTS):
+        s.add_request(make_request(f"r{k}", p, 12, ignore_eos=True))
+    executor = _MixedExecutor(FakeRunner(4, drafts=3))
+    core = EngineCore(s, executor, async_scheduling=True)
+    got, barriers = Collected(), 0
+    for _ in range(500):
+        if not core.has_work():
+            break
+        seen = len(executor.events)
+        got.add(core.step())
+        events = executor.events[seen:]
+        if "collect barrier" in events and core.has_work():
+            # The verified step's outputs come back with the next step already
+            # on the device, so that their processing overlaps it.
+            barriers += 1
+            assert events[events.index("collect barrier"):] == ["collect barrier", "dispatch"]
+    assert barriers > 3 and core.num_early_steps == barriers
+    for k, p in enumerate(PROMPTS):
+        assert got.tokens[f"r{k}"] == reference_output(p, 12)
 
 
 def runner_output(req: str, sampled: list[int], drafts: list[int]) -> ModelRunnerOutput:

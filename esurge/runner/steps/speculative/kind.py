@@ -4,8 +4,9 @@ With Eagle on, a step is one of these where the runner's speculation policy
 says drafting pays, or drafts wait for verification; the others are plain
 steps. A speculative step does not pipeline: the engine collects it before
 scheduling the next (how many drafts it accepts moves every later position,
-and its proposals are the next step's drafts), while the plain steps of the
-same engine overlap as in any other. One dispatched behind a plain step
+and its proposals are the next step's drafts; that next step is dispatched
+before the outputs go back to the loop), while the plain steps of the same
+engine overlap as in any other. One dispatched behind a plain step
 still in flight first reads that step's tokens to the host. A constrained request's drafts
 are drawn under its grammar's masks (`masked.py`) and verified under the
 masks its grammar gives after each draft.
