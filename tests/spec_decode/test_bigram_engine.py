@@ -4,6 +4,8 @@ preemption, async flag, logprobs, metrics, warm-up) behaves as without drafts.""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from esurge import SamplingParams, eSurge
+from esurge.engine_types import FinishReason
 from esurge.runner.device_step import model_step_features, prompt_logprobs_step
 from esurge.runner.steps.speculative.verify import store_draft_probs, verify_jit
 from esurge.spec_decode import proposer
@@ -121,6 +124,52 @@ def test_seeded_sampling_ignores_batch_company(bigram_engine: eSurge) -> None:
     others = [SamplingParams(temperature=0.7, seed=i, max_tokens=15) for i in range(5)]
     crowd = bigram_engine.generate([*prompts(5, seed=8), [4, 4, 2]], [*others, params])
     assert crowd[-1].outputs[0].token_ids == alone
+
+
+def test_aborts_and_arrivals_while_a_verification_is_in_flight(bigram_engine: eSurge,
+                                                                probs: np.ndarray) -> None:
+    # After a speculative step the engine dispatches the next before the loop
+    # handles the outputs: an abort or a new request made from an output's
+    # callback meets a speculative step already on the device.
+    batch = prompts(6, seed=21)
+    late = [7, 3, 9]
+    done: dict[str, threading.Event] = {}
+    tokens: dict[str, list[int]] = {}
+    ended: dict[str, FinishReason | None] = {}
+    aborted_at: list[int] = []
+
+    def on_output(rid: str) -> Callable[[Any], None]:
+        def take(delta: Any) -> None:
+            sample = delta.outputs[0] if delta.outputs else None
+            tokens.setdefault(rid, []).extend(sample.token_ids if sample else ())
+            if rid == "victim" and len(tokens[rid]) >= 5 and not done[rid].is_set():
+                bigram_engine.abort("victim")  # on the loop thread, inside the step's outputs
+                aborted_at.append(len(tokens[rid]))
+                done[rid].set()  # an aborted request gets no further output
+            if rid == "r0" and "late" not in done and len(tokens[rid]) >= 5:
+                submit("late", late)
+            if delta.finished:
+                ended[rid] = sample.finish if sample else None
+                done[rid].set()
+        return take
+
+    def submit(rid: str, prompt: list[int]) -> None:
+        done[rid] = threading.Event()
+        bigram_engine.submit_nowait(prompt, greedy(30), on_output(rid), request_id=rid)
+
+    free = bigram_engine.stats.num_free_pages
+    submit("victim", [2, 7, 1, 8])
+    for i, p in enumerate(batch):
+        submit(f"r{i}", p)
+    for rid in ["victim", *(f"r{i}" for i in range(len(batch))), "late"]:
+        assert rid in done and done[rid].wait(60), rid
+    assert "victim" not in ended and aborted_at == [len(tokens["victim"])]
+    assert tokens["victim"] == greedy_chain(probs, [2, 7, 1, 8], len(tokens["victim"]))
+    for i, p in enumerate(batch):
+        assert tokens[f"r{i}"] == greedy_chain(probs, p, 30)
+        assert ended[f"r{i}"] is FinishReason.LENGTH
+    assert tokens["late"] == greedy_chain(probs, late, 30)
+    assert bigram_engine.stats.num_free_pages == free
 
 
 def test_no_compile_after_warmup(bigram_engine: eSurge) -> None:
