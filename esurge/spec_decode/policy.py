@@ -235,7 +235,10 @@ class AdaptiveSpeculation(SpeculationPolicy):
             self._owed[batch] = max(0, self._owed.get(batch, 0) - 1)
         else:
             self._plain_since[batch] = self._plain_since.get(batch, 0) + 1
-        self.rates.setdefault((speculative, batch), StepRate(self.settle)).add(tokens, seconds)
+        rate = self.rates.get((speculative, batch))
+        if rate is None:
+            rate = self.rates[speculative, batch] = StepRate(self.settle)
+        rate.add(tokens, seconds)
 
 
 def make_policy(mode: str) -> SpeculationPolicy:

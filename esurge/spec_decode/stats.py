@@ -44,6 +44,9 @@ class SpecDecodeStats:
         self._verifications = 0
         self._drafted = 0
         self._accepted = 0
+        # The engine loop reads the counters every step, mostly unchanged: the
+        # last snapshot (immutable) is handed out again until a count moves.
+        self._snapshot: SpecStatsSnapshot | None = None
 
     def record(self, num_verifications: int, num_drafted: int, num_accepted: int) -> None:
         """Add one step's totals."""
@@ -54,13 +57,18 @@ class SpecDecodeStats:
             self._verifications += num_verifications
             self._drafted += num_drafted
             self._accepted += num_accepted
+            self._snapshot = None
 
     def snapshot(self) -> SpecStatsSnapshot:
         """The counters now."""
         with self._lock:
-            return SpecStatsSnapshot(self._verifications, self._drafted, self._accepted)
+            if self._snapshot is None:
+                self._snapshot = SpecStatsSnapshot(self._verifications, self._drafted,
+                                                   self._accepted)
+            return self._snapshot
 
     def reset(self) -> None:
         """Zero the counters (e.g. between benchmark phases)."""
         with self._lock:
             self._verifications = self._drafted = self._accepted = 0
+            self._snapshot = None
