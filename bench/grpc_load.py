@@ -38,6 +38,7 @@ import asyncio
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,10 @@ class Result:
     @property
     def cpu_us_per_token(self) -> float:
         return 1e6 * self.cpu_s / self.tokens
+
+
+# One repeat's runs, back to back: (in process, over gRPC).
+Pair = tuple[Result, Result]
 
 
 def in_process(engine: object, requests: list[list[int]], clients: int) -> Result:
@@ -303,14 +308,16 @@ def percentile(values: list[float], q: float) -> float:
 def measure(engine: object, target: str, server_pid: int, prompts: list[list[int]],
             counts: list[int], repeats: int, channels: int | None,
             engine_streams: int | None = None
-            ) -> tuple[dict[int, Result], dict[int, Result]]:
+            ) -> tuple[dict[int, Result], dict[int, Result], dict[int, list[Pair]]]:
     """Best of `repeats` runs per client count, local and gRPC runs interleaved so
     that load from other processes on the machine hits both alike (the gRPC side
-    over Generate calls, or over `engine_streams` EngineStream calls)."""
+    over Generate calls, or over `engine_streams` EngineStream calls). Also each
+    repeat's pair (local, gRPC), run back to back, for paired ratios."""
     in_process(engine, prompts[:4], 4)  # first-call effects out of the numbers
     asyncio.run(over_grpc(target, server_pid, prompts[:4], 4))
     local: dict[int, Result] = {}
     remote: dict[int, Result] = {}
+    pairs: dict[int, list[Pair]] = {}
     for n in counts:
         requests = [prompts[i % PROMPTS] for i in range(max(n, PROMPTS))]
         for _ in range(repeats):
@@ -321,17 +328,24 @@ def measure(engine: object, target: str, server_pid: int, prompts: list[list[int
             if r.tokens != len(requests) * NEW_TOKENS:  # a rate over lost tokens is no rate
                 raise RuntimeError(f"the gRPC side received {r.tokens} tokens, expected "
                                    f"{len(requests) * NEW_TOKENS}")
+            pairs.setdefault(n, []).append((lo, r))
             if n not in local or lo.tokens_per_s > local[n].tokens_per_s:
                 local[n] = lo
             if n not in remote or r.tokens_per_s > remote[n].tokens_per_s:
                 remote[n] = r
         print(f"  {n} clients: local {local[n].tokens_per_s:.0f}, gRPC "
               f"{remote[n].tokens_per_s:.0f} tok/s", flush=True)
-    return local, remote
+    return local, remote, pairs
 
 
-def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result]) -> None:
-    """The results table; CPU is µs of the serving process's CPU per generated token."""
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result],
+           pairs: dict[int, list[Pair]]) -> None:
+    """The results table (best runs; CPU is µs of the serving process's CPU per
+    generated token), then each repeat's ratios, the two runs back to back."""
     print(f"{'clients':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
           f"{'gRPC tok/s':>10} {'local tok/s':>11} {'ratio':>6} {'gRPC CPU':>9} "
           f"{'local CPU':>9} {'ratio':>6} {'tok/msg':>7} {'client CPU':>10}")
@@ -343,6 +357,11 @@ def report(counts: list[int], local: dict[int, Result], remote: dict[int, Result
               f"{r.tokens_per_s / lo.tokens_per_s:>6.2f} {r.cpu_us_per_token:>7.0f}us "
               f"{lo.cpu_us_per_token:>7.0f}us {r.cpu_us_per_token / lo.cpu_us_per_token:>6.2f} "
               f"{r.tokens / max(r.messages, 1):>7.2f} {1e6 * r.client_cpu_s / r.tokens:>8.0f}us")
+    for n in counts:
+        speed = [g.tokens_per_s / lo.tokens_per_s for lo, g in pairs[n]]
+        cpu = [g.cpu_us_per_token / lo.cpu_us_per_token for lo, g in pairs[n]]
+        print(f"{n:>7} clients, {len(speed)} repeats, each pair back to back: tok/s ratio "
+              f"median {_spread(speed)}, CPU ratio median {_spread(cpu)}")
 
 
 def main() -> None:
@@ -386,13 +405,13 @@ def main() -> None:
               f"of {min(map(len, prompts))}-{max(map(len, prompts))} tokens", flush=True)
         proc, target = start_server(model_dir, env, flags)
         try:
-            local, remote = measure(engine, target, proc.pid, prompts, counts, args.repeats,
-                                    args.channels, args.engine_streams)
+            local, remote, pairs = measure(engine, target, proc.pid, prompts, counts,
+                                           args.repeats, args.channels, args.engine_streams)
         finally:
             proc.terminate()
             proc.wait(120)
             engine.shutdown()
-        report(counts, local, remote)
+        report(counts, local, remote, pairs)
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 

@@ -9,13 +9,20 @@ tokens each. Both engines are warmed up fully (no compile while timed) and
 the prefix cache is off, so every timed set does its whole prefill. Each
 engine runs in a process of its own, the two in turn --rounds times; per
 batch size an untimed pass, then --repeats timed ones on fresh prompts; the
-best time of each engine is reported (the machine may be shared), with the
+best time of each engine is reported (the machine may be shared), and each
+round's speedup (the two engines back to back) as a median and range, with the
 Eagle engine's mean acceptance length and drafts per verification (the
 adaptive policy chooses each step's count, 1 to k) over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
         [--dtype float32] [--speculation adaptive] [--prompts stdlib|random|chat]
-        [--rounds 2] [--scheduling async|sync] [--model M --head H]
+        [--rounds 2] [--scheduling async|sync] [--model M --head H] [--paired]
+
+--paired runs both engines in one process instead: each timed set by one
+engine then the other on the same prompts (the first alternating), medians
+of --repeats pairs. Two processes of the same engine differ by a few percent
+on a CPU, more than the differences a 0.97x criterion needs; pairs in one
+process do not carry that.
 
 The default model with its head: --model smollm2-135m-instruct
 --head models/smollm2-eagle --prompts chat.
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -119,6 +127,65 @@ def timed_generate(llm: Any, prompts: list[Any]) -> float:
     return seconds
 
 
+def prompt_pool(args: argparse.Namespace, batches: list[int]) -> list[Any]:
+    """Enough prompts of --prompts' kind for every batch size's passes."""
+    make = {"stdlib": held_out_prompts, "random": random_prompts,
+            "chat": chat_prompts}[args.prompts]
+    return make(args.model, max(batches) * (args.repeats + 1) * len(batches), args.seed)
+
+
+def spec_row(llm: Any, batch: int) -> dict[str, float]:
+    """The Eagle engine's acceptance and drafts per verification since its stats'
+    last reset; prints the policy's measured rates."""
+    stats = llm.runner.spec_stats
+    rates = getattr(llm.runner.spec.policy, "rates", {})
+    measured = {f"{'spec' if s else 'plain'}@{b}": round(r.tokens_per_s)
+                for (s, b), r in sorted(rates.items(), key=lambda kv: kv[0][1])}
+    print(f"  batch {batch}: policy rates (tok/s by mode@batch) {measured}", file=sys.stderr)
+    return {"acceptance": stats.mean_acceptance_length,
+            "drafts": (stats.num_draft_tokens / stats.num_verifications
+                       if stats.num_verifications else 0.0)}
+
+
+def measure_paired(args: argparse.Namespace) -> list[dict[str, float]]:
+    """Both engines in this process, each timed set run by one then the other on
+    the same prompts (the first alternating), --repeats pairs per batch size;
+    per batch size the median seconds of each and the per-pair speedups. Two
+    processes of one engine differ by a few percent on a CPU; one process's
+    pairs do not carry that, so this resolves differences of a few percent."""
+    batches = [int(b) for b in args.batches.split(",")]
+    asynchronous = args.scheduling == "async"
+    engines = [make_engine(args.model, head, args.k, batches, args.dtype, args.speculation,
+                           asynchronous) for head in (None, args.head)]
+    rows = []
+    try:
+        pool, cursor = prompt_pool(args, batches), 0
+        for batch in batches:
+            for llm in engines:  # first-touch effects off the clock
+                timed_generate(llm, pool[cursor:cursor + batch])
+            cursor += batch
+            engines[1].runner.spec.stats.reset()
+            times: list[list[float]] = [[], []]
+            for repeat in range(args.repeats):
+                prompts = pool[cursor:cursor + batch]
+                cursor += batch
+                for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+                    times[which].append(timed_generate(engines[which], prompts))
+            speedups = [p / e for p, e in zip(*times, strict=True)]
+            plain, eagle = statistics.median(times[0]), statistics.median(times[1])
+            spec = spec_row(engines[1], batch)
+            rows.append({"batch": batch, "plain_tok_s": batch * NEW_TOKENS / plain,
+                         "eagle_tok_s": batch * NEW_TOKENS / eagle, "speedup": plain / eagle,
+                         "paired_median": statistics.median(speedups),
+                         "paired_low": min(speedups), "paired_high": max(speedups),
+                         "mean_acceptance_length": spec["acceptance"],
+                         "drafts_per_verification": spec["drafts"]})
+    finally:
+        for llm in engines:
+            llm.shutdown()
+    return rows
+
+
 def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]]:
     """One engine's best seconds per batch size (and the Eagle one's acceptance),
     in this process. Per batch size: an untimed pass, then --repeats timed ones."""
@@ -127,9 +194,7 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
                       args.speculation, args.scheduling == "async")
     out: dict[int, dict[str, float]] = {}
     try:
-        make = {"stdlib": held_out_prompts, "random": random_prompts,
-                "chat": chat_prompts}[args.prompts]
-        pool = make(args.model, max(batches) * (args.repeats + 1) * len(batches), args.seed)
+        pool = prompt_pool(args, batches)
         cursor = 0
         for batch in batches:
             timed_generate(llm, pool[cursor:cursor + batch])  # first-touch effects off the clock
@@ -140,17 +205,7 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
             for _ in range(args.repeats):
                 best = min(best, timed_generate(llm, pool[cursor:cursor + batch]))
                 cursor += batch
-            row = {"seconds": best}
-            if eagle:
-                stats = llm.runner.spec_stats
-                row["acceptance"] = stats.mean_acceptance_length
-                row["drafts"] = (stats.num_draft_tokens / stats.num_verifications
-                                 if stats.num_verifications else 0.0)
-                rates = getattr(llm.runner.spec.policy, "rates", {})
-                measured = {f"{'spec' if s else 'plain'}@{b}": round(r.tokens_per_s)
-                            for (s, b), r in sorted(rates.items(), key=lambda kv: kv[0][1])}
-                print(f"  batch {batch}: policy rates (tok/s by mode@batch) {measured}",
-                      file=sys.stderr)
+            row = {"seconds": best, **(spec_row(llm, batch) if eagle else {})}
             out[batch] = row
     finally:
         llm.shutdown()
@@ -159,10 +214,15 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
 
 def run(args: argparse.Namespace) -> list[dict[str, float]]:
     """Each engine in a process of its own (neither inherits the other's caches,
-    threads or memory), --rounds times in turn; the best time of each per batch
-    size. Returns one row per batch size."""
+    threads or memory), --rounds times in turn. Returns one row per batch size:
+    the best time of each engine, and the speedup of each round (the plain
+    engine's time over the Eagle one's, the two run back to back) as its median
+    and range: two processes of one engine differ by a few percent, so one
+    round's ratio is no measurement of a few percent."""
     best: dict[str, dict[int, dict[str, float]]] = {}
+    ratios: dict[int, list[float]] = {}
     for _ in range(args.rounds):
+        this_round: dict[str, dict[int, dict[str, float]]] = {}
         for name in ("plain", "eagle"):
             child = [sys.executable, __file__, "--child", name, "--model", str(args.model),
                      "--head", str(args.head), "--k", str(args.k), "--repeats",
@@ -171,10 +231,14 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                      "--prompts", args.prompts, "--scheduling", args.scheduling]
             done = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)
             result = {int(b): r for b, r in json.loads(done.stdout.splitlines()[-1]).items()}
+            this_round[name] = result
             for batch, row in result.items():
                 kept = best.setdefault(name, {}).get(batch)
                 if kept is None or row["seconds"] < kept["seconds"]:
                     best[name][batch] = row
+        for batch, row in this_round["eagle"].items():
+            ratios.setdefault(batch, []).append(
+                this_round["plain"][batch]["seconds"] / row["seconds"])
     rows = []
     for batch in sorted(best["plain"]):
         plain, eagle = best["plain"][batch], best["eagle"][batch]
@@ -182,6 +246,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
         rows.append({"batch": batch, "plain_tok_s": tokens / plain["seconds"],
                      "eagle_tok_s": tokens / eagle["seconds"],
                      "speedup": plain["seconds"] / eagle["seconds"],
+                     "paired_median": statistics.median(ratios[batch]),
+                     "paired_low": min(ratios[batch]), "paired_high": max(ratios[batch]),
                      "mean_acceptance_length": eagle["acceptance"],
                      "drafts_per_verification": eagle["drafts"]})
     return rows
@@ -204,6 +270,9 @@ def main() -> int:
     p.add_argument("--prompts", default="stdlib", choices=("stdlib", "random", "chat"),
                    help="held-out stdlib code (drafts often accepted), random token ids "
                         "(rarely), or chat prompts on held-out topics (a chat model's head)")
+    p.add_argument("--paired", action="store_true",
+                   help="both engines in this process, each timed set run by both back to "
+                        "back, --repeats pairs per batch size; medians instead of bests")
     p.add_argument("--child", choices=("plain", "eagle"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
@@ -216,13 +285,16 @@ def main() -> int:
         if not (path / "config.json").is_file() and path.suffix != ".gguf":
             p.error(f"{path} has no config.json (train it first: tools/train_default.py, "
                     "tools/train_eagle.py)")
-    rows = run(args)
-    print("\n| batch | plain tok/s | Eagle tok/s | speedup | mean acceptance length | "
-          "drafts per verification |")
-    print("|---|---|---|---|---|---|")
+    rows = measure_paired(args) if args.paired else run(args)
+    kept, each = (("medians", f"pair, median (range) of {args.repeats}") if args.paired
+                  else ("bests", f"round, median (range) of {args.rounds}"))
+    print(f"\n| batch | plain tok/s | Eagle tok/s | speedup ({kept}) | speedup per {each} | "
+          "mean acceptance length | drafts per verification |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['eagle_tok_s']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['mean_acceptance_length']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['paired_median']:.2f}x ({r['paired_low']:.2f}-"
+              f"{r['paired_high']:.2f}) | {r['mean_acceptance_length']:.2f} | "
               f"{r['drafts_per_verification']:.2f} |")
     return 0
 
