@@ -18,8 +18,11 @@ and the serving process's CPU time per generated token (the server's, read
 from /proc; the engine's in process) and its ratio (goal: <= 1.1), and the
 tokens per stream message (above 1 with decode bursts, --decode-steps, or
 when a stream fell behind and joins the steps it missed), and the clients'
-CPU per token. The load-generating clients run in this process, on the same
-cores: wall tokens/s is shared with them, server CPU per token is not.
+CPU per token, all from the best of --repeats runs; then the two ratios of
+each repeat (its in-process and gRPC runs back to back) as a median and
+range. The clients connect before the clock starts. The load-generating
+clients run in this process, on the same cores: wall tokens/s is shared
+with them, server CPU per token is not.
 `bench/grpc_floor.py` measures grpcio's own cost per call and per message,
 the part of the difference no service code can remove. --engine-streams S
 sends the same load over S EngineStream calls instead (each keeps its share
