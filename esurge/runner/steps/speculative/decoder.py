@@ -91,6 +91,18 @@ class SpecStep:
     count: int = 0  # drafts proposed per request
 
 
+@dataclass(slots=True)
+class TargetPass:
+    """A speculative step's target forward and verification, before its proposal."""
+
+    logits: jax.Array  # [R * (k + 1), V]
+    hidden: jax.Array  # [T, H]
+    features: jax.Array  # [T, layers * H]
+    verified: SpecSamplerOutput
+    draft_batch: DraftBatch
+    eligible: np.ndarray  # [num_reqs] bool: requests that may draft
+
+
 def _draft_group(groups: tuple[Any, ...]) -> tuple[int, AttentionWindow]:
     """The cache group whose page tables the draft reads: a full-attention one if any."""
     for i, group in enumerate(groups):
@@ -233,29 +245,45 @@ class SpecDecoder:
         always_masked stops after the first pass (both for warm-up); proposals
         overrides the draft count proposed for the next step (drafts_for).
         """
+        kv_cache, target = self.target_pass(model_state, kv_cache, ib, inputs, tensors, variant)
+        return target.hidden, kv_cache, self.proposal(
+            model_state, ib, inputs, target, grammar_rows=grammar_rows,
+            always_draft=always_draft, always_masked=always_masked, proposals=proposals)
+
+    def target_pass(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
+                    inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant
+                    ) -> tuple[KVCache, TargetPass]:
+        """The target forward over [last token + drafts] and their verification."""
         logits, hidden, features, kv_cache = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
                               variant, self.draft_vocab)
         draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
+        return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
+
+    def proposal(self, model_state: ModelState, ib: InputBatch, inputs: StepInputs,
+                 target: TargetPass, *, grammar_rows: np.ndarray | None = None,
+                 always_draft: bool = False, always_masked: bool = False,
+                 proposals: int | None = None) -> SpecStep:
+        """The head's drafts after a target pass (see `run` for the options)."""
+        verified, draft_batch, eligible = target.verified, target.draft_batch, target.eligible
         if always_masked or (grammar_rows is not None and (eligible & grammar_rows).any()):
             first, self.cache = propose_first(
-                self.head, self.cache, model_state, draft_batch, features, verified.token_ids,
-                verified.num_out, verified.draft_noise, window=self.window)
-            return hidden, kv_cache, SpecStep(verified, None, eligible, first, draft_batch)
+                self.head, self.cache, model_state, draft_batch, target.features,
+                verified.token_ids, verified.num_out, verified.draft_noise, window=self.window)
+            return SpecStep(verified, None, eligible, first, draft_batch)
         # Without a request to draft for (prefill chunks only), the pass that writes
         # the draft's cache for this step's tokens is all that is needed.
         drafting = always_draft or bool(eligible.any())
         count = proposals if proposals is not None else self.drafts_for(len(inputs.req_ids))
         new_drafts, probs, self.cache = propose(
-            self.head, self.cache, model_state, draft_batch, features, verified.token_ids,
+            self.head, self.cache, model_state, draft_batch, target.features, verified.token_ids,
             verified.num_out, verified.draft_noise, num_drafts=count if drafting else 1,
             max_drafts=self.num_spec, window=self.window)
         if probs is not None and drafting:
             self.store_probs(ib, inputs, eligible, probs)
-        return hidden, kv_cache, SpecStep(verified, new_drafts, eligible,
-                                          count=count if drafting else 1)
+        return SpecStep(verified, new_drafts, eligible, count=count if drafting else 1)
 
     def store_probs(self, ib: InputBatch, inputs: StepInputs, eligible: np.ndarray,
                     probs: jax.Array) -> None:  # probs: [R, k, V]

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 
 from esurge.outputs import ModelRunnerOutput
-from esurge.runner.device_step import model_step_features
 from esurge.runner.sampler import SamplerVariant
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.base import PendingStep, Program, StepPlan, WarmupPlan
@@ -119,6 +118,11 @@ class SpeculativeStep:
         for variant in (SamplerVariant(), SamplerVariant(all_greedy=False)):
             tensors = dataclasses.replace(sampling_tensors(runner, inputs, variant),
                                           allowed=runner.grammars.all_allowed(rows))
+            # One target pass serves every proposal below (the same programs as a
+            # whole step's): on a CPU the target's forward and a sampled
+            # verification over the vocabulary cost far more than the head.
+            device.kv_cache, target = self.spec.target_pass(state, device.kv_cache, ib, inputs,
+                                                            tensors, variant)
             # A proposal of one draft (the head's first pass alone) and one of
             # more, whose program serves every count from 2 to k; the first's
             # own program depends on the request bucket only.
@@ -126,20 +130,16 @@ class SpeculativeStep:
                       and plan.first_listing(f"one draft requests={requests} {variant}")
                       else (self.spec.num_spec,))
             for count in counts:
-                _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
-                                                         tensors, variant, always_draft=True,
-                                                         proposals=count)
+                step = self.spec.proposal(state, ib, inputs, target, always_draft=True,
+                                          proposals=count)
                 jax.block_until_ready(step.drafts)
             # The proposal of a step with constrained requests, drawn one draft at a time.
-            _, device.kv_cache, step = self.spec.run(state, device.kv_cache, ib, inputs,
-                                                     tensors, variant, always_masked=True)
+            step = self.spec.proposal(state, ib, inputs, target, always_masked=True)
             jax.block_until_ready(warm_masked_step(self.spec, state, step,
                                                    runner.grammars.all_allowed(requests)))
         # Device outputs of the same program, as verification gets them at run time.
-        logits, plan.hidden_of[tokens], _, device.kv_cache = model_step_features(
-            state, device.kv_cache, inputs.batch, self.spec.feature_layers)
-        plan.logits_of[requests] = logits
-        return logits
+        plan.hidden_of[tokens], plan.logits_of[requests] = target.hidden, target.logits
+        return target.logits
 
     def _compile_verify(self, plan: WarmupPlan, requests: int, variant: SamplerVariant
                         ) -> object:
