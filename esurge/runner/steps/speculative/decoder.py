@@ -95,9 +95,9 @@ class SpecStep:
 class TargetPass:
     """A speculative step's target forward and verification, before its proposal."""
 
-    logits: jax.Array  # [R * (k + 1), V]
+    logits: jax.Array  # [L, V]: each request's 1 + k rows
     hidden: jax.Array  # [T, H]
-    features: jax.Array  # [T, layers * H]
+    features: jax.Array  # [T, F]: final hidden (EAGLE-1) or n layers' outputs, [T, n * H]
     verified: SpecSamplerOutput
     draft_batch: DraftBatch
     eligible: np.ndarray  # [num_reqs] bool: requests that may draft
