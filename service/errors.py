@@ -35,6 +35,7 @@ __all__ = [
     "FieldViolation",
     "InvalidFieldError",
     "abort_with_status",
+    "clip",
     "field_violations",
     "internal",
     "invalid_argument",
@@ -81,8 +82,29 @@ def join_field_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
+# A status travels in trailers twice (grpc-message, percent-encoded, and inside
+# grpc-status-details-bin, base64), and clients drop trailers over 8 KiB by
+# default: a refusal echoing a long value would reach them as RESOURCE_EXHAUSTED
+# "metadata size exceeds soft limit" instead. These bounds keep the worst case
+# (every character percent-encoded) under about 6 KiB.
+MAX_MESSAGE_BYTES = 600
+MAX_FIELD_BYTES = 160
+MAX_DESCRIPTION_BYTES = 240
+MAX_VIOLATIONS = 8
+
+
+def clip(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` of UTF-8, saying how much was cut."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= max_bytes:
+        return text
+    note = f"... [{len(data)} bytes, cut]"
+    kept = data[:max(0, max_bytes - len(note))].decode("utf-8", "ignore")
+    return kept + note
+
+
 def _status(code: int, message: str, *details: Any) -> status_pb2.Status:
-    status = status_pb2.Status(code=code, message=message)
+    status = status_pb2.Status(code=code, message=clip(message, MAX_MESSAGE_BYTES))
     for detail in details:
         status.details.add().Pack(detail)
     return status
@@ -107,11 +129,14 @@ def invalid_argument(
     if not violations:
         raise ValueError("invalid_argument needs at least one field violation")
     bad_request = error_details_pb2.BadRequest()
-    for violation in violations:
+    for violation in violations[:MAX_VIOLATIONS]:
         bad_request.field_violations.add(
-            field=violation.field, description=violation.description
+            field=clip(violation.field, MAX_FIELD_BYTES),
+            description=clip(violation.description, MAX_DESCRIPTION_BYTES),
         )
     text = message or "; ".join(f"{v.field}: {v.description}" for v in violations)
+    if len(violations) > MAX_VIOLATIONS:
+        text = f"{len(violations)} fields are invalid, the first {MAX_VIOLATIONS} listed: {text}"
     return _status(code_pb2.INVALID_ARGUMENT, text, bad_request)
 
 

@@ -352,3 +352,19 @@ async def test_engine_stream_request_id_rules(live_server: Any, client: EngineCl
     assert got == [("", invalid, ["add_request.request_id"]),
                    ("es-dup", invalid, ["add_request.request_id"])]
     assert outputs > 0
+
+
+def test_a_refusal_echoing_a_long_value_still_reaches_the_client(client: EngineClient) -> None:
+    """A refusal carries its message twice in trailers, which clients cap at 8 KiB by
+    default. A stop list with an empty string and a 3,000-character one was
+    refused with the whole list in the message: the client got RESOURCE_EXHAUSTED
+    ("metadata size exceeds soft limit") instead of the refusal. Descriptions and
+    messages are clipped, so it gets INVALID_ARGUMENT naming the field."""
+    bad = request(stop=["", "x" * 3000], bad_words=["é" * 3000])
+    for call in (lambda: client.generate_unary(bad), lambda: list(client.generate(bad))):
+        code, fields, status = refusal(call)
+        assert (code, fields) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                  ["request.sampling_params.stop"])
+        description = field_violations(status)[0].description
+        assert description.startswith("stop must be") and description.endswith("bytes, cut]")
+        assert len(description.encode()) <= 240 and len(status.message.encode()) <= 600
