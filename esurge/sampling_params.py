@@ -7,17 +7,24 @@ are refused with an `InvalidRequestError` (a ValueError) naming the field. Greed
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.structured_output.params import StructuredOutputsParams
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["FLOAT32_MAX", "MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
 
 # Most alternatives per position logprobs / prompt_logprobs may ask for; the
 # sampler's device arrays are sized by it.
 MAX_LOGPROBS = 20
+
+
+# The sampler computes in float32. Compiled, it multiplies the logits by 1 / T,
+# which past T ~ 1e37 is subnormal and flushed to zero: masked logits (-inf)
+# become NaN and every mask is lost. Far below that, T ~ 1e4 already samples
+# uniformly from the tokens the filters keep.
+MAX_TEMPERATURE = 1e30
+FLOAT32_MAX = 3.4028234663852886e38  # larger penalties would be infinite on the device
 
 
 def _fail(name: str, value: object, rule: str) -> None:
@@ -119,10 +126,8 @@ class SamplingParams:
     def _check_numbers(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             _fail("n", self.n, "an int >= 1")
-        if not _is_num(self.temperature) or not math.isfinite(self.temperature) or (
-            self.temperature < 0
-        ):
-            _fail("temperature", self.temperature, "a finite number >= 0")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            _fail("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}]")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             _fail("top_p", self.top_p, "in (0, 1]")
         if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
@@ -134,8 +139,8 @@ class SamplingParams:
             if not _is_num(value) or not -2.0 <= value <= 2.0:
                 _fail(name, value, "in [-2, 2]")
         rp = self.repetition_penalty
-        if not _is_num(rp) or not math.isfinite(rp) or rp <= 0:
-            _fail("repetition_penalty", rp, "a finite number > 0")
+        if not _is_num(rp) or not 0 < rp <= FLOAT32_MAX:
+            _fail("repetition_penalty", rp, f"a number in (0, {FLOAT32_MAX:.4g}]")
         if self.seed is not None and not _is_int(self.seed):
             _fail("seed", self.seed, "None or an int")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):

@@ -26,6 +26,8 @@ def test_sampling_defaults_match_vllm() -> None:
         ({"n": 0}, "n"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1e31}, "temperature"),  # the float32 sampler loses its masks
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": 0}, "top_k"),
