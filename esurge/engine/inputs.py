@@ -106,6 +106,7 @@ class InputProcessor:
         self._check_prompt(ids, params)
         params = self._resolve(params)
         params.validate_for_vocab(self.vocab_size)
+        self._check_a_token_is_left(params)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError(RequestField.PRIORITY,
                                       f"priority must be an int, got {priority!r}")
@@ -151,6 +152,26 @@ class InputProcessor:
                 RequestField.sampling("max_tokens"),
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds max_model_len ({self.max_model_len})")
+
+    def _check_a_token_is_left(self, params: SamplingParams) -> None:
+        """An allow-list that the bans empty leaves the sampler nothing to choose:
+        it used to pick a token outside the list."""
+        if params.allowed_token_ids is None:
+            return
+        banned = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        left = set(params.allowed_token_ids) - banned
+        if not left:
+            raise InvalidRequestError(
+                RequestField.sampling("allowed_token_ids"),
+                "every token in allowed_token_ids is a bad word: none is left to sample")
+        stops = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stops.add(self.eos_token_id)
+        if params.min_tokens and not left - stops:
+            raise InvalidRequestError(
+                RequestField.sampling("min_tokens"),
+                f"min_tokens {params.min_tokens} cannot be met: every token allowed_token_ids "
+                f"leaves ends the request (a stop token or EOS)")
 
     def _resolve(self, params: SamplingParams) -> SamplingParams:
         changes: dict[str, object] = {}

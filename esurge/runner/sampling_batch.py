@@ -74,8 +74,14 @@ class DenseRowState:
             if not prefix or tuple(self.output[-len(prefix):]) == prefix:
                 bans.append(word[-1])
         if bans:
-            row = row.copy()
-            row[bans] = -np.inf
+            banned = row.copy()
+            banned[bans] = -np.inf
+            # Admission refuses an allow-list the bans empty from the start; a
+            # multi-token bad word can still ban the last allowed token later.
+            # With nothing left the sampler would pick outside the list, so the
+            # allow-list wins over the bans.
+            if self.params.allowed_token_ids is None or np.isfinite(banned).any():
+                return banned
         return row
 
 

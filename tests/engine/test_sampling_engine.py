@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from esurge import SamplingParams, eSurge
+from esurge.errors import InvalidRequestError, RequestField
 from tests.engine.conftest import mixed_prompts
 
 PROMPT = mixed_prompts()[5]
@@ -105,6 +107,52 @@ def test_stop_conditions(engine: eSurge) -> None:
     assert ignored.token_ids == [eos] * 8 and ignored.finish_reason == "length"
     assert stop_tok.token_ids == [greedy_first] and stop_tok.stop_reason == greedy_first
     assert set(allowed.token_ids) <= {10, 11} and len(allowed.token_ids) == 8
+
+
+def test_the_largest_temperature_keeps_the_masks(engine: eSurge) -> None:
+    """At the largest accepted temperature sampling is uniform but still inside
+    allowed_token_ids and top_k; past it, refused. (float32's maximum was
+    accepted: the compiled sampler's 1 / T flushed to zero, the masks turned to
+    NaN, and the output was token 0 every time, outside the allowed set.)"""
+    from esurge.sampling_params import MAX_TEMPERATURE
+
+    hot = SamplingParams(temperature=MAX_TEMPERATURE, max_tokens=8, seed=3, ignore_eos=True,
+                         allowed_token_ids=[10, 11, 12])
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    allowed, top = engine.generate([PROMPT] * 2, [hot, greedy])
+    assert set(allowed.outputs[0].token_ids) <= {10, 11, 12}
+    assert len(set(allowed.outputs[0].token_ids)) > 1  # uniform, not argmax
+    first_top2 = set(top.outputs[0].logprobs[0].token_ids[1:])  # the sampled one, then the top
+    top_k = replace(hot, allowed_token_ids=None, top_k=2, max_tokens=1)
+    for seed in range(4):
+        out = engine.generate([PROMPT], replace(top_k, seed=seed))[0].outputs[0].token_ids
+        assert out[0] in first_top2
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(temperature=MAX_TEMPERATURE * 10)
+    assert refused.value.field == RequestField.sampling("temperature")
+
+
+def test_an_allow_list_the_bans_empty(engine: eSurge) -> None:
+    """allowed_token_ids minus what min_tokens and the bad words ban: empty from the
+    start, refused naming the field; emptied later by a multi-token bad word, the
+    allow-list wins. (Both used to sample a token outside the list.)"""
+    eos = 2
+    cases = [
+        (SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[eos]), "min_tokens"),
+        (SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[7, eos],
+                        stop_token_ids=[7]), "min_tokens"),
+        (SamplingParams(max_tokens=4, allowed_token_ids=[10]).with_bad_words_token_ids(
+            ((10,),)), "allowed_token_ids"),
+    ]
+    for params, field in cases:
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.generate([PROMPT], params)
+        assert refused.value.field == RequestField.sampling(field)
+    ok = SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[eos], ignore_eos=True)
+    assert engine.generate([PROMPT], ok)[0].outputs[0].token_ids == [eos] * 4
+    later = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                           allowed_token_ids=[10]).with_bad_words_token_ids(((10, 10),))
+    assert engine.generate([PROMPT], later)[0].outputs[0].token_ids == [10] * 4
 
 
 def test_bad_words_ban_token_sequences(engine: eSurge) -> None:
