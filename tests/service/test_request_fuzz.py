@@ -8,9 +8,10 @@ empty and unbalanced stop strings, broken schemas and regexes), prompt kinds
 streaming Generate to the shared real server. Accepted requests get every
 sample, within max_tokens and inside allowed_token_ids; refused ones carry a
 BadRequest whose field path names a field the request actually set.
-Afterwards nothing runs or waits, every KV page is free and the server still answers a greedy request with the tokens
-it gave before. For a longer hunt, ESURGE_FUZZ_EXAMPLES raises the example
-count (the suite runs 60) and ESURGE_FUZZ_SEED draws other examples.
+Afterwards nothing runs or waits, every KV page is free and the server still
+answers a greedy request with the tokens it gave before. For a longer hunt,
+ESURGE_FUZZ_EXAMPLES raises the example count (the suite runs 60) and
+ESURGE_FUZZ_SEED draws other examples.
 """
 
 from __future__ import annotations
