@@ -25,6 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from google.rpc import status_pb2
+
 from generated.esurge.v1 import engine_pb2, sampling_pb2, service_pb2
 from service.errors import field_violations, status_from_rpc_error
 
@@ -138,23 +140,34 @@ def _set_paths(message: Any, prefix: str = "") -> set[str]:
     return paths
 
 
-def _check_refusal(error: grpc.RpcError, request: engine_pb2.EngineRequest) -> None:
-    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
-    status = status_from_rpc_error(error)
-    assert status is not None, error.details()
+def _check_violations(status: Any, request: engine_pb2.EngineRequest, prefix: str) -> None:
     violations = field_violations(status)
     assert violations, status.message
-    set_paths = {f"request.{p}" for p in _set_paths(request)}
+    set_paths = {f"{prefix}.{p}" for p in _set_paths(request)}
     for violation in violations:
         # A path may end in an index ("request.sampling_params.stop[1]") or a map key;
         # a missing prompt is named by the oneof's name, which no set field carries.
         base = violation.field.split("[")[0]
-        assert base in set_paths or base == "request.prompt", (violation, sorted(set_paths))
+        assert base in set_paths or base == f"{prefix}.prompt", (violation, sorted(set_paths))
 
 
-def _max_tokens(request: engine_pb2.EngineRequest) -> int | None:
+def _check_refusal(error: grpc.RpcError, request: engine_pb2.EngineRequest) -> None:
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    status = status_from_rpc_error(error)
+    assert status is not None, error.details()
+    _check_violations(status, request, "request")
+
+
+def _check_samples(request: engine_pb2.EngineRequest, tokens: dict[int, list[int]]) -> None:
+    """An accepted request's samples: all of them, within max_tokens and the allow-list."""
     p = request.sampling_params
-    return p.max_tokens if p.HasField("max_tokens") else None
+    assert sorted(tokens) == list(range(p.n if p.HasField("n") else 1)), tokens
+    limit = p.max_tokens if p.HasField("max_tokens") else None
+    if limit is not None:
+        assert all(len(t) <= limit for t in tokens.values()), tokens
+    if p.allowed_token_ids and not p.HasField("structured_outputs"):
+        allowed = set(p.allowed_token_ids)
+        assert all(set(t) <= allowed for t in tokens.values()), (tokens, allowed)
 
 
 @seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
@@ -178,14 +191,46 @@ def test_every_request_gets_an_answer_or_a_named_refusal(
     except grpc.RpcError as error:
         _check_refusal(error, request)
         return
-    p = request.sampling_params
-    assert sorted(tokens) == list(range(p.n if p.HasField("n") else 1)), tokens
-    limit = _max_tokens(request)
-    if limit is not None:
-        assert all(len(t) <= limit for t in tokens.values()), tokens
-    if p.allowed_token_ids and not p.HasField("structured_outputs"):
-        allowed = set(p.allowed_token_ids)
-        assert all(set(t) <= allowed for t in tokens.values()), (tokens, allowed)
+    _check_samples(request, tokens)
+
+
+@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
+@settings(max_examples=max(1, EXAMPLES // 4), deadline=None,
+          derandomize="ESURGE_FUZZ_SEED" not in os.environ,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batch=st.lists(requests(), min_size=1, max_size=6))
+def test_every_request_on_an_engine_stream_ends_once(client: Any, greedy_before: list[int],
+                                                      batch: list[Any]) -> None:
+    """The same over one EngineStream: each request ends exactly once, with its
+    samples finished or with one INVALID_ARGUMENT rejection naming an
+    `add_request.` field; the others on the stream are unaffected."""
+    for i, request in enumerate(batch):
+        request.request_id = f"fuzz-{i}"
+    messages = [service_pb2.EngineStreamRequest(add_request=r) for r in batch]
+    tokens: dict[str, dict[int, list[int]]] = {r.request_id: {} for r in batch}
+    ended: dict[str, str] = {}
+    for response in client.engine_stream(messages, timeout=60):
+        if response.WhichOneof("payload") == "rejection":
+            rejection = response.rejection
+            assert rejection.request_id not in ended, rejection.request_id
+            ended[rejection.request_id] = "rejected"
+            status = status_pb2.Status(code=rejection.code, message=rejection.message)
+            status.details.extend(rejection.details)
+            assert rejection.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], rejection
+            _check_violations(status, batch[int(rejection.request_id[5:])], "add_request")
+            continue
+        for out in response.outputs.outputs:
+            index, _, request_id = out.request_id.rpartition("_")
+            request_id = request_id if index else out.request_id
+            samples = tokens[request_id]
+            samples.setdefault(int(index or 0), []).extend(out.new_token_ids)
+        for request_id in response.outputs.finished_requests:
+            ended.setdefault(request_id.rpartition("_")[2], "finished")
+    assert sorted(ended) == sorted(tokens), ended
+    for request in batch:
+        if ended[request.request_id] == "finished":
+            _check_samples(request, tokens[request.request_id])
 
 
 @pytest.fixture(scope="module")
