@@ -22,10 +22,9 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import status_pb2
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-
-from google.rpc import status_pb2
 
 from generated.esurge.v1 import engine_pb2, sampling_pb2, service_pb2
 from service.errors import field_violations, status_from_rpc_error
