@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import status_pb2
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
@@ -29,7 +29,13 @@ from service import info
 from service.admission import new_request_id, submit_or_status
 from service.bridge import BridgeItem, EngineBridge, drain
 from service.convert import GenerationRequest
-from service.errors import InvalidFieldError, abort_with_status, internal
+from service.errors import (
+    FieldViolation,
+    InvalidFieldError,
+    abort_with_status,
+    field_violations,
+    internal,
+)
 from service.errors import invalid_argument as invalid_argument_status
 from service.health import Phase
 from service.kv_events import kv_event_stream
@@ -309,12 +315,11 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
 
 
 def _in_protocol_terms(status: status_pb2.Status) -> status_pb2.Status:
-    """An engine refusal with its field paths in the protocol's names."""
-    for detail in status.details:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            for violation in bad.field_violations:
-                violation.field = _protocol_path(violation.field)
-            detail.Pack(bad)
-    return status
+    """An engine refusal with its field paths in the protocol's names, in its
+    details and its message alike."""
+    violations = field_violations(status)
+    if not violations:
+        return status
+    return invalid_argument_status([FieldViolation(_protocol_path(v.field), v.description)
+                                    for v in violations])
 

@@ -41,7 +41,7 @@ def mostly(valid: list[Any], edge: list[Any]) -> st.SearchStrategy[Any]:
     return st.sampled_from(valid * 3 + edge)
 
 
-INF, NAN = math.inf, math.nan
+INF, NAN = math.inf, math.nan  # also used by test_vllm_fuzz
 token_ids = mostly([0, 1, 2, 3, 100, 257, VOCAB - 1], [VOCAB, 70_000, U32])
 texts = mostly(["a", "the", " ", "\n", "é", "ab"], ["", "\x00", "(", "\ud7ff", "x" * 3000])
 schemas = mostly(['{"type": "integer"}', '{"enum": ["a", "b"]}',
