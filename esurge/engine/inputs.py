@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from esurge.engine.chat import ChatPrompt, ChatTemplate
+from esurge.engine.tokenize import encode_ids
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.request import EngineRequest
 from esurge.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class InputProcessor:
                 field, f"text of {len(text)} characters is more than max_model_len "
                        f"({self.max_model_len}) tokens of this tokenizer can hold "
                        f"({self.max_text_chars} characters)")
-        return list(self.tokenizer.encode(text).ids)
+        return encode_ids(self.tokenizer, text)
 
     def prepare(self, request_id: str, prompt: Prompt, params: SamplingParams | None,
                 priority: int = 0, cache_salt: str | None = None) -> PreparedRequest:
@@ -120,7 +121,7 @@ class InputProcessor:
                                                          "a text or token-id prompt instead")
         text = self.chat_template.render(prompt)
         # The template writes its special tokens itself.
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return text, encode_ids(self.tokenizer, text, add_special_tokens=False)
 
     def _stop_at_end_of_turn(self, params: SamplingParams) -> SamplingParams:
         """A chat reply ends at the template's end-of-turn tokens, unless ignore_eos."""

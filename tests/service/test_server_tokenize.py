@@ -14,17 +14,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 class HeldTokenizer:
-    """The engine's tokenizer, held inside encode until the test releases it."""
+    """The engine's tokenizer, held inside encode_batch (what esurge.engine.tokenize
+    calls) until the test releases it."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+    def encode_batch(self, texts: list[str], *args: Any, **kwargs: Any) -> Any:
         self.entered.set()
         self.release.wait(20)
-        return self.inner.encode(text, *args, **kwargs)
+        return self.inner.encode_batch(texts, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
