@@ -27,7 +27,7 @@ from esurge.engine_types import (
     EngineCoreEventType,
     FinishReason,
 )
-from esurge.errors import InvalidRequestError
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
 from esurge.structured_output.params import StructuredOutputsParams
@@ -231,11 +231,16 @@ def chat_from_proto(msg: engine_pb2.ChatInput, prefix: str) -> ChatPrompt:
         raise InvalidFieldError(violations)
     kwargs = json_format.MessageToDict(msg.template_kwargs) if msg.HasField(
         "template_kwargs") else {}
-    return ChatPrompt(
-        tuple(ChatMessage(m.role, m.content) for m in msg.messages),
-        add_generation_prompt=(msg.add_generation_prompt
-                               if msg.HasField("add_generation_prompt") else True),
-        template_kwargs=kwargs)
+    try:
+        return ChatPrompt(
+            tuple(ChatMessage(m.role, m.content) for m in msg.messages),
+            add_generation_prompt=(msg.add_generation_prompt
+                                   if msg.HasField("add_generation_prompt") else True),
+            template_kwargs=kwargs)
+    except InvalidRequestError as err:  # its field is "chat.<name>": the same path under prefix
+        name = "" if err.field == RequestField.CHAT else err.field.removeprefix(
+            f"{RequestField.CHAT}.")
+        raise InvalidFieldError([FieldViolation(join_field_path(prefix, name), str(err))]) from err
 
 
 def chat_to_proto(chat: ChatPrompt) -> engine_pb2.ChatInput:

@@ -20,6 +20,16 @@ __all__ = ["ChatMessage", "ChatPrompt", "ChatTemplate"]
 _MESSAGES = RequestField.CHAT_MESSAGES
 _GEN_PROMPT = RequestField.CHAT_ADD_GENERATION_PROMPT
 _KWARGS = RequestField.CHAT_TEMPLATE_KWARGS
+# transformers' apply_chat_template parameters and the variables it sets itself:
+# as template_kwargs they would collide with the renderer's own arguments (a
+# TypeError) or change what it does (another template, token ids, tensors).
+# `tools` and `documents` are template variables and stay allowed.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "add_generation_prompt", "chat_template",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "raise_exception", "strftime_now",
+})
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +85,10 @@ class ChatPrompt:
                 isinstance(k, str) for k in self.template_kwargs):
             raise InvalidRequestError(_KWARGS, f"template_kwargs must map names to "
                                     f"values, got {self.template_kwargs!r}")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(self.template_kwargs))
+        if reserved:
+            raise InvalidRequestError(_KWARGS, f"template_kwargs may not set {reserved}: "
+                                               f"the renderer sets them itself")
 
     @classmethod
     def of(cls, messages: Sequence[ChatMessage | Mapping[str, Any]] | ChatPrompt
@@ -115,6 +129,11 @@ class ChatTemplate:
         except TemplateError as err:
             raise InvalidRequestError(_MESSAGES, f"the chat template refused the messages: "
                                                 f"{err}") from err
+        except (TypeError, ValueError) as err:
+            # A template that trips over a value it was given (tools=5 iterated).
+            field = _KWARGS if prompt.template_kwargs else _MESSAGES
+            raise InvalidRequestError(field, f"the chat template failed on the request: "
+                                             f"{err}") from err
         if not isinstance(text, str):
             raise InvalidRequestError(_MESSAGES, "the chat template did not render text")
         return text

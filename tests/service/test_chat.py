@@ -78,12 +78,19 @@ def test_node_client_chat_equals_the_library(live_server: Any, client: EngineCli
     assert result["promptTokens"] == len(expected.prompt_token_ids)
 
 
-@pytest.mark.parametrize(("messages", "field"), [
-    ([], "request.chat.messages"),
-    ([{"role": "", "content": "hi"}], "request.chat.messages[0].role"),
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(("messages", "kwargs", "field"), [
+    ([], {}, "request.chat.messages"),
+    ([{"role": "", "content": "hi"}], {}, "request.chat.messages[0].role"),
+    # The renderer's own names: "messages" was a TypeError (UNKNOWN), and
+    # "chat_template" would have rendered a template the client wrote.
+    (HI, {"messages": "x"}, "request.chat.template_kwargs"),
+    (HI, {"chat_template": "{{ 7 * 7 }}"}, "request.chat.template_kwargs"),
 ])
 def test_bad_chat_input_names_the_field(client: EngineClient, messages: list[dict[str, str]],
-                                        field: str) -> None:
+                                        kwargs: dict[str, Any], field: str) -> None:
     from generated.esurge.v1 import engine_pb2
     from service.client import build_request
 
@@ -91,6 +98,7 @@ def test_bad_chat_input_names_the_field(client: EngineClient, messages: list[dic
     request.ClearField("prompt_text")
     request.chat.CopyFrom(engine_pb2.ChatInput(
         messages=[engine_pb2.ChatMessage(**m) for m in messages]))
+    request.chat.template_kwargs.update(kwargs)
     with pytest.raises(grpc.RpcError) as info:
         list(client.generate(request))
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
