@@ -159,7 +159,11 @@ def uniform_noise(seeds: Array, positions: Array, vocab: int) -> jax.Array:
                                                       + jnp.uint32(0x9E3779B9))))
     cols = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
     bits = _mix(_mix(row[:, None] + cols * jnp.uint32(0x85EBCA77)) ^ row[:, None])
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+    # The top value, 1 - 2**-25, rounds to 1.0 in float32: its Gumbel noise is
+    # +inf, and a masked token (-inf) plus +inf is NaN, which argmax picks: a
+    # token outside allowed_token_ids about once in 2**24 draws per masked token.
+    return jnp.minimum(u, jnp.float32(1.0 - 2.0 ** -24))
 
 
 def gumbel_noise(seeds: Array, positions: Array, vocab: int) -> jax.Array:

@@ -217,3 +217,26 @@ def test_repetition_penalty_counts_generated_tokens() -> None:
     variant = batch.variant(order)
     tensors = batch.tensors(order, 1, np.zeros(1, np.int32), variant)
     assert int(np.asarray(sample_jit(jnp.asarray(logits), tensors, variant).token_ids)[0]) == 2
+
+
+def test_the_top_uniform_draw_never_picks_a_masked_token() -> None:
+    """uniform_noise's top value, 1 - 2**-25, rounded to 1.0 in float32: its Gumbel
+    noise was +inf, a masked token's -inf + inf was NaN, and argmax took the NaN,
+    so about once in 2**24 draws per masked token the sampler left
+    allowed_token_ids (the gRPC fuzz test found it with n=3 and random seeds)."""
+    from esurge.runner.sampler import gumbel_noise, uniform_noise
+
+    vocab, column = 1 << 17, 89_231
+    words = jnp.asarray([[28, 197]], jnp.uint32)  # hit the top value at that column
+    zero = jnp.zeros(1, jnp.int32)
+    u = uniform_noise(words, zero, vocab)
+    assert int(jnp.argmax(u[0])) == column and float(u[0, column]) < 1.0
+    assert bool(jnp.isfinite(gumbel_noise(words, zero, vocab)).all())
+    batch = SamplingBatch(1, vocab)
+    batch.set_row(0, SamplingParams(seed=28 | (197 << 32), allowed_token_ids=[5]), [0], [],
+                  None)
+    order = np.arange(1)
+    variant = batch.variant(order)
+    tensors = batch.tensors(order, 1, np.zeros(1, np.int32), variant)
+    tokens = sample_jit(jnp.zeros((1, vocab), jnp.float32), tensors, variant).token_ids
+    assert int(tokens[0]) == 5
