@@ -26,6 +26,7 @@ from esurge.structured_output.params import StructuredOutputsParams
 from service.convert import GenerationRequest
 from service.errors import FieldViolation, InvalidFieldError
 from service.field_paths import sampling_field_name
+from service.info import MAX_N
 
 __all__ = ["input_logprobs", "output_logprobs", "request_from_vllm", "vllm_field_path"]
 
@@ -149,6 +150,8 @@ def request_from_vllm(msg: vllm_pb2.GenerateRequest, max_model_len: int) -> Gene
     if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
         _fail("data_parallel_rank", f"this engine has one data-parallel rank (0), "
                                     f"got {msg.data_parallel_rank}")
+    if msg.sampling_params.n > MAX_N:  # each sample is a request of its own
+        _fail("sampling_params.n", f"n must be <= {MAX_N}, got {msg.sampling_params.n}")
     prompt_ids, text = _prompt(msg, max_model_len)
     return GenerationRequest(
         request_id=msg.request_id or None, prompt_token_ids=prompt_ids, prompt_text=text,

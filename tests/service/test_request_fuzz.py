@@ -151,6 +151,18 @@ def _set_paths(message: Any, prefix: str = "") -> set[str]:
     return paths
 
 
+def empty_repeated(message: Any, path: str) -> bool:
+    """True when `path` (dotted, from `message`) is a repeated field left empty: not
+    "set" for ListFields, yet the field a refusal of an empty list names."""
+    *parents, name = path.split(".")
+    for parent in parents:
+        if not message.HasField(parent):
+            return False
+        message = getattr(message, parent)
+    field = message.DESCRIPTOR.fields_by_name.get(name)
+    return field is not None and field.is_repeated and not getattr(message, name)
+
+
 def _check_violations(status: Any, request: engine_pb2.EngineRequest, prefix: str) -> None:
     violations = field_violations(status)
     assert violations, status.message
@@ -158,9 +170,8 @@ def _check_violations(status: Any, request: engine_pb2.EngineRequest, prefix: st
     for violation in violations:
         # A path may end in an index ("request.sampling_params.stop[1]") or a map key;
         # a missing prompt is named by the oneof's name, which no set field carries.
-        # An empty repeated field is not "set", its message is (chat.messages).
         base = violation.field.split("[")[0]
-        named = base in set_paths or base.rpartition(".")[0] in set_paths
+        named = base in set_paths or empty_repeated(request, base.removeprefix(prefix + "."))
         assert named or base == f"{prefix}.prompt", (violation, sorted(set_paths))
 
 

@@ -81,6 +81,10 @@ def test_n_samples_logprobs_and_unset_defaults(stub: Any) -> None:
 
 @pytest.mark.parametrize(("sampling", "field"), [
     ({"logprobs": -1}, "sampling_params.logprobs"),
+    # esurge.v1's limit: n = 2**32 - 1 was accepted and its children filled the
+    # memory until the process was killed (found by tests/service/test_vllm_fuzz.py).
+    ({"n": 2 ** 32 - 1}, "sampling_params.n"),
+    ({"n": 17}, "sampling_params.n"),
     ({"top_p": 1.5}, "sampling_params.top_p"),
     ({"structural_tag": "{}"}, "sampling_params.structural_tag"),
     ({"json_schema": '{"type": "array", "uniqueItems": true}'}, "sampling_params.json_schema"),
