@@ -137,17 +137,17 @@ def requests(draw: st.DrawFn) -> engine_pb2.EngineRequest:
     return request
 
 
-def _set_paths(message: Any, prefix: str = "") -> set[str]:
+def set_paths(message: Any, prefix: str = "") -> set[str]:
     """Every field path set in `message` (and each of its parents' paths)."""
     paths: set[str] = set()
     for field, value in message.ListFields():
         path = f"{prefix}{field.name}"
         paths.add(path)
         if hasattr(value, "ListFields"):  # a singular message
-            paths |= _set_paths(value, path + ".")
+            paths |= set_paths(value, path + ".")
         elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
             for i, item in enumerate(value):  # a repeated message
-                paths |= _set_paths(item, f"{path}[{i}].")
+                paths |= set_paths(item, f"{path}[{i}].")
     return paths
 
 
@@ -166,13 +166,13 @@ def empty_repeated(message: Any, path: str) -> bool:
 def _check_violations(status: Any, request: engine_pb2.EngineRequest, prefix: str) -> None:
     violations = field_violations(status)
     assert violations, status.message
-    set_paths = {f"{prefix}.{p}" for p in _set_paths(request)}
+    given = {f"{prefix}.{p}" for p in set_paths(request)}
     for violation in violations:
         # A path may end in an index ("request.sampling_params.stop[1]") or a map key;
         # a missing prompt is named by the oneof's name, which no set field carries.
         base = violation.field.split("[")[0]
-        named = base in set_paths or empty_repeated(request, base.removeprefix(prefix + "."))
-        assert named or base == f"{prefix}.prompt", (violation, sorted(set_paths))
+        named = base in given or empty_repeated(request, base.removeprefix(prefix + "."))
+        assert named or base == f"{prefix}.prompt", (violation, sorted(given))
 
 
 def _check_refusal(error: grpc.RpcError, request: engine_pb2.EngineRequest) -> None:

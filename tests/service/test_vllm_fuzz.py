@@ -28,6 +28,7 @@ from tests.service.test_request_fuzz import (
     mostly,
     regexes,
     schemas,
+    set_paths,
     texts,
     token_ids,
 )
@@ -94,16 +95,6 @@ def requests(draw: st.DrawFn) -> pb.GenerateRequest:
     return request
 
 
-def _set_paths(message: Any, prefix: str = "") -> set[str]:
-    paths: set[str] = set()
-    for field, value in message.ListFields():
-        path = f"{prefix}{field.name}"
-        paths.add(path)
-        if hasattr(value, "ListFields"):
-            paths |= _set_paths(value, path + ".")
-    return paths
-
-
 @pytest.fixture(scope="module")
 def channel(live_server: LiveServer) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(live_server.target) as ch:
@@ -141,13 +132,13 @@ def test_every_vllm_request_gets_its_samples_or_a_named_refusal(
         assert status is not None, error.details()
         violations = field_violations(status)
         assert violations, status.message
-        set_paths = _set_paths(request)
+        given = set_paths(request)
         for violation in violations:
             base = violation.field.split("[")[0]
-            named = base in set_paths or empty_repeated(request, base)
+            named = base in given or empty_repeated(request, base)
             # No input at all is named by the field to set.
             missing = request.WhichOneof("input") is None and base == "tokenized"
-            assert named or missing, (violation, sorted(set_paths))
+            assert named or missing, (violation, sorted(given))
             assert violation.field in status.message  # the message names the same field
         return
     completes = [r.complete for r in replies if r.WhichOneof("response") == "complete"]
