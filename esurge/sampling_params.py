@@ -12,11 +12,16 @@ from dataclasses import dataclass, field, replace
 from esurge.errors import InvalidRequestError, RequestField
 from esurge.structured_output.params import StructuredOutputsParams
 
-__all__ = ["FLOAT32_MAX", "MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams"]
+__all__ = ["FLOAT32_MAX", "MAX_LOGPROBS", "MAX_N", "MAX_TEMPERATURE", "SamplingParams"]
 
 # Most alternatives per position logprobs / prompt_logprobs may ask for; the
 # sampler's device arrays are sized by it.
 MAX_LOGPROBS = 20
+
+# Most samples one request may ask for. Each sample is a request of its own
+# (its own prompt copy, pages and scheduler entry), made up front: n = 2**32
+# would fill the host's memory before the first step.
+MAX_N = 1024
 
 
 # The sampler computes in float32. Compiled, it multiplies the logits by 1 / T,
@@ -124,8 +129,8 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_token_ids", words)
 
     def _check_numbers(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            _fail("n", self.n, "an int >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            _fail("n", self.n, f"an int in [1, {MAX_N}]")
         if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             _fail("temperature", self.temperature, f"a number in [0, {MAX_TEMPERATURE:g}]")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -65,23 +65,26 @@ class DenseRowState:
 
     def additive(self) -> np.ndarray:
         """[V] float32 mask/bias for the next token."""
-        row = self.base
-        bans: list[int] = []
+        words = self.params.bad_words_token_ids
+        firm = [word[0] for word in words if len(word) == 1]
         if len(self.output) < self.params.min_tokens:
-            bans.extend(self.stop_ids)
-        for word in self.params.bad_words_token_ids:
-            prefix = word[:-1]
-            if not prefix or tuple(self.output[-len(prefix):]) == prefix:
-                bans.append(word[-1])
-        if bans:
-            banned = row.copy()
-            banned[bans] = -np.inf
-            # Admission refuses an allow-list the bans empty from the start; a
-            # multi-token bad word can still ban the last allowed token later.
-            # With nothing left the sampler would pick outside the list, so the
-            # allow-list wins over the bans.
-            if self.params.allowed_token_ids is None or np.isfinite(banned).any():
-                return banned
+            firm.extend(self.stop_ids)
+        completing = [word[-1] for word in words
+                      if len(word) > 1 and tuple(self.output[1 - len(word):]) == word[:-1]]
+        if not firm and not completing:
+            return self.base
+        row = self.base.copy()
+        # Admission refuses an allow-list that min_tokens and the one-token bad
+        # words empty, so these bans always leave a token to sample.
+        row[firm] = -np.inf
+        if completing:
+            kept = row[completing]
+            row[completing] = -np.inf
+            # A multi-token bad word can still ban the last token left; with
+            # nothing left the sampler would pick outside the allow-list, so
+            # the list (and min_tokens) win over that word.
+            if self.params.allowed_token_ids is not None and not np.isfinite(row).any():
+                row[completing] = kept
         return row
 
 

@@ -153,6 +153,12 @@ def test_an_allow_list_the_bans_empty(engine: eSurge) -> None:
     later = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
                            allowed_token_ids=[10]).with_bad_words_token_ids(((10, 10),))
     assert engine.generate([PROMPT], later)[0].outputs[0].token_ids == [10] * 4
+    # ... and min_tokens too: dropping every ban let EOS (biased to win) end it at 2.
+    both = replace(later, min_tokens=4, max_tokens=6, ignore_eos=False,
+                   allowed_token_ids=[10, eos], logit_bias={eos: 50.0})
+    out = engine.generate([PROMPT], both)[0].outputs[0]
+    assert out.token_ids[:4] == [10] * 4 and out.finish_reason == "stop"
+    assert len(out.token_ids) <= 5
 
 
 def test_bad_words_ban_token_sequences(engine: eSurge) -> None:

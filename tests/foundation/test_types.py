@@ -7,7 +7,7 @@ import pytest
 from esurge.engine_types import EngineCoreEventType, FinishReason
 from esurge.outputs import ModelRunnerOutput, TokenLogprobs
 from esurge.request import EngineRequest, EngineRequestStatus
-from esurge.sampling_params import SamplingParams
+from esurge.sampling_params import MAX_N, SamplingParams
 
 S = EngineRequestStatus
 
@@ -18,12 +18,14 @@ def test_sampling_defaults_match_vllm() -> None:
     assert (p.max_tokens, p.min_tokens, p.repetition_penalty) == (16, 0, 1.0)
     assert p.stop == () and p.logprobs is None and p.skip_special_tokens is True
     assert not p.greedy and SamplingParams(temperature=0).greedy
+    assert SamplingParams(n=MAX_N).n == MAX_N == 1024
 
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
         ({"n": 0}, "n"),
+        ({"n": 1025}, "n"),
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
         ({"temperature": 1e31}, "temperature"),  # the float32 sampler loses its masks
