@@ -211,6 +211,10 @@ class SampledStep:
     def dispatch(self, plan: StepPlan) -> PendingStep:
         runner, inputs = self.runner, plan.inputs
         logits, hidden, _ = run_model_step(runner, inputs)
+        if plan.variant.dense and runner.last_plain is not None:
+            # Penalties, bad words and min_tokens count every token so far; under
+            # async scheduling the previous step's are still on the device.
+            record_plain(runner, runner.last_plain)
         # The model step is queued: the masks are built while it runs.
         tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
                                       allowed=runner.grammar_feed.masks(inputs, plan.constrained))

@@ -1,0 +1,189 @@
+"""A request's output does not depend on the company it keeps.
+
+Hypothesis draws mixes of 2-8 requests: prompts that share prefixes, and
+sampling options of every kind (seeded temperatures, top-k/p, min-p, the three
+penalties, logit bias, allow-lists, bad words, min_tokens, stop tokens and
+strings, logprobs, prompt logprobs, n, regex and choice constraints). Each
+request runs alone on the roomy synchronous engine; then the whole mix runs at
+once on a tight one: async scheduling, decode bursts of 4, chunked prefill
+with an 8-token threshold and 23 usable pages, so requests are chunked,
+preempted and resumed, share cached pages and ride in bursts. Every sample
+must come out the same: tokens, text, finish and stop reasons, logprobs and
+prompt logprobs. Afterwards every page of the tight engine is free.
+
+Examples are derandomized and requests seeded, so a failure replays;
+ESURGE_FUZZ_EXAMPLES and ESURGE_FUZZ_SEED run a longer hunt.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
+
+from esurge import SamplingParams, StructuredOutputsParams, eSurge
+from esurge.engine.request_output import RequestOutput
+from esurge.outputs import TokenLogprobs
+from tests.engine.conftest import MAX_MODEL_LEN, engine_config
+
+VOCAB = 512
+EOS = 2
+EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "40"))
+LOGPROB_TOLERANCE = 1e-4  # the same float32 math in other batch shapes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="session")
+def tight(tiny_llama_dir: Path) -> Iterator[eSurge]:
+    """Async, bursts of 4, 23 usable pages of 8 tokens: a mix preempts."""
+    config = engine_config(async_=True, num_pages=24, threshold=8)
+    with eSurge(tiny_llama_dir, config, show_progress=False, decode_steps=4) as llm:
+        yield llm
+
+
+ids = st.integers(3, VOCAB - 1)
+
+
+@st.composite
+def sampling(draw: st.DrawFn, prompt_len: int) -> SamplingParams:
+    """Options of every kind, each in a third or so of the requests."""
+    def maybe(strategy: st.SearchStrategy[Any], default: Any) -> Any:
+        return draw(st.one_of(st.just(default), strategy))
+
+    max_tokens = draw(st.integers(1, min(40, MAX_MODEL_LEN - prompt_len)))
+    allowed = maybe(st.lists(ids | st.just(EOS), min_size=2, max_size=6, unique=True), None)
+    kwargs: dict[str, Any] = {
+        "n": maybe(st.integers(2, 3), 1),
+        "temperature": draw(st.sampled_from([0.0, 0.7, 1.0, 1.3])),
+        "seed": draw(st.integers(0, 2 ** 32)),
+        "top_k": maybe(st.sampled_from([1, 5, 40]), None),
+        "top_p": maybe(st.sampled_from([0.3, 0.9]), 1.0),
+        "min_p": maybe(st.sampled_from([0.05, 0.2]), 0.0),
+        "presence_penalty": maybe(st.sampled_from([-0.5, 1.0]), 0.0),
+        "frequency_penalty": maybe(st.sampled_from([-0.5, 1.5]), 0.0),
+        "repetition_penalty": maybe(st.sampled_from([0.8, 1.3]), 1.0),
+        "logit_bias": maybe(st.dictionaries(ids, st.sampled_from([-5.0, 3.0]), max_size=3),
+                            None),
+        "allowed_token_ids": allowed,
+        "max_tokens": max_tokens,
+        "min_tokens": maybe(st.integers(0, max_tokens), 0),
+        "ignore_eos": draw(st.booleans()),
+        "stop_token_ids": maybe(st.lists(ids, max_size=3), ()),
+        "stop": maybe(st.lists(st.sampled_from(["a", "e", " t", "\n"]), max_size=2), ()),
+        "include_stop_str_in_output": draw(st.booleans()),
+        "logprobs": maybe(st.sampled_from([0, 1, 3]), None),
+        "prompt_logprobs": maybe(st.sampled_from([0, 2]), None),
+    }
+    if allowed is not None and kwargs["min_tokens"]:
+        kwargs["ignore_eos"] = True  # admission refuses an allow-list min_tokens empties
+        kwargs["stop_token_ids"] = ()
+    if allowed is None and draw(st.integers(0, 5)) == 0:
+        kwargs["ignore_eos"] = False  # the output ends where the grammar does
+        kwargs["structured_outputs"] = StructuredOutputsParams(**draw(st.sampled_from(
+            [{"regex": "[a-z ]{1,12}"}, {"choice": ["yes", "no", "maybe so"]}])))
+    params = SamplingParams(**kwargs)
+    words = maybe(st.lists(st.lists(ids, min_size=1, max_size=2).map(tuple), max_size=2), [])
+    return params.with_bad_words_token_ids(tuple(words)) if words else params
+
+
+@dataclass(frozen=True)
+class Mix:
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+
+@st.composite
+def mixes(draw: st.DrawFn) -> Mix:
+    """2-8 requests; about half extend the prompt of an earlier one (prefix hits)."""
+    prompts: list[list[int]] = []
+    for _ in range(draw(st.integers(2, 8))):
+        tail = draw(st.lists(ids, min_size=1, max_size=40))
+        if prompts and draw(st.booleans()):
+            base = draw(st.sampled_from(prompts))
+            tail = base[:draw(st.integers(1, len(base)))] + tail
+        prompts.append(tail[:MAX_MODEL_LEN - 1])
+    return Mix(prompts, [draw(sampling(len(p))) for p in prompts])
+
+
+def _close(a: Sequence[TokenLogprobs | None] | None,
+           b: Sequence[TokenLogprobs | None] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if x is not y:
+                return False
+            continue
+        if x.token_ids[0] != y.token_ids[0] or len(x.token_ids) != len(y.token_ids):
+            return False
+        if not all(math.isclose(p, q, abs_tol=LOGPROB_TOLERANCE)
+                   for p, q in zip(x.logprobs, y.logprobs, strict=True)):
+            return False
+    return True
+
+
+def _same(alone: RequestOutput, mixed: RequestOutput) -> str | None:
+    """What differs between the two outputs of one request, or None."""
+    if not _close(alone.prompt_logprobs, mixed.prompt_logprobs):
+        return "prompt_logprobs"
+    for a, m in zip(alone.outputs, mixed.outputs, strict=True):
+        for name in ("token_ids", "text", "finish", "stop_reason"):
+            if getattr(a, name) != getattr(m, name):
+                return f"sample {a.index} {name}: {getattr(a, name)!r} != {getattr(m, name)!r}"
+        if not _close(a.logprobs, m.logprobs):
+            return f"sample {a.index} logprobs"
+    return None
+
+
+@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
+@settings(max_examples=EXAMPLES, deadline=None, derandomize="ESURGE_FUZZ_SEED" not in os.environ,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.data_too_large])
+@given(mix=mixes())
+def test_a_mix_gives_each_request_what_it_gets_alone(engine: eSurge, tight: eSurge,
+                                                    mix: Mix) -> None:
+    alone = [engine.generate([p], params)[0]
+             for p, params in zip(mix.prompts, mix.params, strict=True)]
+    mixed = tight.generate(mix.prompts, mix.params)
+    for i, (a, m) in enumerate(zip(alone, mixed, strict=True)):
+        difference = _same(a, m)
+        assert difference is None, f"request {i}: {difference}"
+    stats = tight.stats
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_pages == stats.num_usable_pages
+
+
+def test_the_mixes_preempt_and_share_pages(tight: eSurge) -> None:
+    """The fuzz above ran under the pressure it claims (runs after it in file order)."""
+    stats = tight.stats
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_hits > 0
+
+
+def test_token_state_counts_the_step_in_flight(engine: eSurge, tight: eSurge) -> None:
+    """Under async scheduling the penalties, min_tokens and bad words saw every token
+    but the previous step's (still on the device): the penalized request repeated
+    72 ([72, 72, 203, 72, 72]) and EOS stayed banned a step past min_tokens."""
+    prompt = [351, 100, 29]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, presence_penalty=1.0,
+                       frequency_penalty=-0.5, repetition_penalty=0.8),
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=2, allowed_token_ids=[10, EOS],
+                       logit_bias={EOS: 50.0}),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[10, 11],
+                       logit_bias={10: 50.0}).with_bad_words_token_ids(((10, 10),)),
+    ]
+    expected = [[72, 203, 166, 369, 232], [10, 10, EOS], [10, 11, 10, 11, 10, 11]]
+    for params, tokens in zip(cases, expected, strict=True):
+        for llm in (engine, tight):
+            assert llm.generate([prompt], params)[0].outputs[0].token_ids == tokens
