@@ -29,6 +29,11 @@ class PromptLogprobsComputer:
         self._model_state = model_state
         self._next: dict[str, int] = {}  # next prompt position to report
 
+    def release(self, req_ids: set[str]) -> None:
+        """Forget requests that finished."""
+        for req_id in req_ids:
+            self._next.pop(req_id, None)
+
     def compute(self, ib: InputBatch, inputs: StepInputs,
                 hidden: jax.Array) -> dict[str, list[TokenLogprobs | None]]:
         """hidden: [T, H] final hidden states of the step."""
@@ -52,9 +57,8 @@ class PromptLogprobsComputer:
                 rows.append(int(starts[i]) + (pos - 1 - first))
                 targets.append(int(ib.token_ids[row, pos]))
             spans.append((req_id, len(rows) - count, count, lead_none))
+            # Kept once complete: a preempted request recomputes its prompt.
             self._next[req_id] = max(nxt, begin + count)
-            if self._next[req_id] >= num_prompt:
-                del self._next[req_id]
         if not spans:
             return {}
         return self._gather(ib, inputs, hidden, rows, targets, spans)

@@ -223,6 +223,7 @@ class eSurgeRunner:
     def _update_batch(self, so: SchedulerOutput) -> None:
         gone = self.input_batch.apply(so)
         self.grammars.remove(gone)
+        self.prompt_logprobs.release(so.finished_req_ids)
         if self.spec is not None:
             self.spec.release(gone)
         for new in so.scheduled_new_reqs:

@@ -113,35 +113,32 @@ def mixes(draw: st.DrawFn) -> Mix:
     return Mix(prompts, [draw(sampling(len(p))) for p in prompts])
 
 
-def _close(a: Sequence[TokenLogprobs | None] | None,
-           b: Sequence[TokenLogprobs | None] | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b, strict=True):
-        if x is None or y is None:
-            if x is not y:
-                return False
-            continue
-        if x.token_ids[0] != y.token_ids[0] or len(x.token_ids) != len(y.token_ids):
-            return False
-        if not all(math.isclose(p, q, abs_tol=LOGPROB_TOLERANCE)
-                   for p, q in zip(x.logprobs, y.logprobs, strict=True)):
-            return False
-    return True
+def _differ(a: Sequence[TokenLogprobs | None] | None,
+            b: Sequence[TokenLogprobs | None] | None) -> str | None:
+    """Where two logprob lists differ (ids exactly, values within tolerance), or None."""
+    if a is None or b is None or len(a) != len(b):
+        return None if a is b else f"{a!r} != {b!r}"
+    for at, (x, y) in enumerate(zip(a, b, strict=True)):
+        same = (x is None and y is None) or (
+            x is not None and y is not None and x.token_ids[0] == y.token_ids[0]
+            and len(x.token_ids) == len(y.token_ids)
+            and all(math.isclose(p, q, abs_tol=LOGPROB_TOLERANCE)
+                    for p, q in zip(x.logprobs, y.logprobs, strict=True)))
+        if not same:
+            return f"position {at}: {x} != {y}"
+    return None
 
 
 def _same(alone: RequestOutput, mixed: RequestOutput) -> str | None:
     """What differs between the two outputs of one request, or None."""
-    if not _close(alone.prompt_logprobs, mixed.prompt_logprobs):
-        return "prompt_logprobs"
+    if (where := _differ(alone.prompt_logprobs, mixed.prompt_logprobs)) is not None:
+        return f"prompt_logprobs {where}"
     for a, m in zip(alone.outputs, mixed.outputs, strict=True):
         for name in ("token_ids", "text", "finish", "stop_reason"):
             if getattr(a, name) != getattr(m, name):
                 return f"sample {a.index} {name}: {getattr(a, name)!r} != {getattr(m, name)!r}"
-        if not _close(a.logprobs, m.logprobs):
-            return f"sample {a.index} logprobs"
+        if (where := _differ(a.logprobs, m.logprobs)) is not None:
+            return f"sample {a.index} logprobs {where}"
     return None
 
 
@@ -187,3 +184,18 @@ def test_token_state_counts_the_step_in_flight(engine: eSurge, tight: eSurge) ->
     for params, tokens in zip(cases, expected, strict=True):
         for llm in (engine, tight):
             assert llm.generate([prompt], params)[0].outputs[0].token_ids == tokens
+
+
+def test_a_preempted_request_reports_its_prompt_logprobs_once(engine: eSurge,
+                                                              tight: eSurge) -> None:
+    """Recomputing a preempted prompt reported its logprobs again (up to 7 copies)."""
+    prompts = [[3 + (7 * i + j) % 500 for j in range(40)] for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1)
+    before = tight.stats.num_preemptions
+    mixed = tight.generate(prompts, params)
+    assert tight.stats.num_preemptions > before
+    for prompt, out in zip(prompts, mixed, strict=True):
+        [alone] = engine.generate([prompt], params)
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert _differ(alone.prompt_logprobs, out.prompt_logprobs) is None
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
