@@ -32,10 +32,12 @@ from esurge import SamplingParams, StructuredOutputsParams, eSurge
 from esurge.engine.request_output import RequestOutput
 from esurge.outputs import TokenLogprobs
 from tests.engine.conftest import MAX_MODEL_LEN, engine_config
+from tests.models.checkpoints import COMMON, build_model, hf_config, save_checkpoint
 
-VOCAB = 512
+VOCAB = 512  # the tiny Llama's, with a tokenizer
+CHECKPOINT_VOCAB = COMMON["vocab_size"]  # tests/models/checkpoints.py's, no tokenizer
 EOS = 2
-EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "60"))
 LOGPROB_TOLERANCE = 1e-4  # the same float32 math in other batch shapes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -49,12 +51,13 @@ def tight(tiny_llama_dir: Path) -> Iterator[eSurge]:
         yield llm
 
 
-ids = st.integers(3, VOCAB - 1)
-
-
 @st.composite
-def sampling(draw: st.DrawFn, prompt_len: int) -> SamplingParams:
-    """Options of every kind, each in a third or so of the requests."""
+def sampling(draw: st.DrawFn, prompt_len: int, vocab: int = VOCAB, text: bool = True
+             ) -> SamplingParams:
+    """Options of every kind, each in a third or so of the requests (those that
+    need a tokenizer only with `text`)."""
+    ids = st.integers(3, vocab - 1)
+
     def maybe(strategy: st.SearchStrategy[Any], default: Any) -> Any:
         return draw(st.one_of(st.just(default), strategy))
 
@@ -77,7 +80,8 @@ def sampling(draw: st.DrawFn, prompt_len: int) -> SamplingParams:
         "min_tokens": maybe(st.integers(0, max_tokens), 0),
         "ignore_eos": draw(st.booleans()),
         "stop_token_ids": maybe(st.lists(ids, max_size=3), ()),
-        "stop": maybe(st.lists(st.sampled_from(["a", "e", " t", "\n"]), max_size=2), ()),
+        "stop": maybe(st.lists(st.sampled_from(["a", "e", " t", "\n"]), max_size=2), ())
+        if text else (),
         "include_stop_str_in_output": draw(st.booleans()),
         "logprobs": maybe(st.sampled_from([0, 1, 3]), None),
         "prompt_logprobs": maybe(st.sampled_from([0, 2]), None),
@@ -85,7 +89,7 @@ def sampling(draw: st.DrawFn, prompt_len: int) -> SamplingParams:
     if allowed is not None and kwargs["min_tokens"]:
         kwargs["ignore_eos"] = True  # admission refuses an allow-list min_tokens empties
         kwargs["stop_token_ids"] = ()
-    if allowed is None and draw(st.integers(0, 5)) == 0:
+    if text and allowed is None and draw(st.integers(0, 5)) == 0:
         kwargs["ignore_eos"] = False  # the output ends where the grammar does
         kwargs["structured_outputs"] = StructuredOutputsParams(**draw(st.sampled_from(
             [{"regex": "[a-z ]{1,12}"}, {"choice": ["yes", "no", "maybe so"]}])))
@@ -101,8 +105,9 @@ class Mix:
 
 
 @st.composite
-def mixes(draw: st.DrawFn) -> Mix:
+def mixes(draw: st.DrawFn, vocab: int = VOCAB, text: bool = True) -> Mix:
     """2-8 requests; about half extend the prompt of an earlier one (prefix hits)."""
+    ids = st.integers(3, vocab - 1)
     prompts: list[list[int]] = []
     for _ in range(draw(st.integers(2, 8))):
         tail = draw(st.lists(ids, min_size=1, max_size=40))
@@ -110,7 +115,7 @@ def mixes(draw: st.DrawFn) -> Mix:
             base = draw(st.sampled_from(prompts))
             tail = base[:draw(st.integers(1, len(base)))] + tail
         prompts.append(tail[:MAX_MODEL_LEN - 1])
-    return Mix(prompts, [draw(sampling(len(p))) for p in prompts])
+    return Mix(prompts, [draw(sampling(len(p), vocab, text)) for p in prompts])
 
 
 def _differ(a: Sequence[TokenLogprobs | None] | None,
@@ -142,14 +147,8 @@ def _same(alone: RequestOutput, mixed: RequestOutput) -> str | None:
     return None
 
 
-@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
-@settings(max_examples=EXAMPLES, deadline=None, derandomize="ESURGE_FUZZ_SEED" not in os.environ,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                 HealthCheck.data_too_large])
-@given(mix=mixes())
-def test_a_mix_gives_each_request_what_it_gets_alone(engine: eSurge, tight: eSurge,
-                                                    mix: Mix) -> None:
-    alone = [engine.generate([p], params)[0]
+def _check_mix(reference: eSurge, tight: eSurge, mix: Mix) -> None:
+    alone = [reference.generate([p], params)[0]
              for p, params in zip(mix.prompts, mix.params, strict=True)]
     mixed = tight.generate(mix.prompts, mix.params)
     for i, (a, m) in enumerate(zip(alone, mixed, strict=True)):
@@ -160,11 +159,48 @@ def test_a_mix_gives_each_request_what_it_gets_alone(engine: eSurge, tight: eSur
     assert stats.num_free_pages == stats.num_usable_pages
 
 
-def test_the_mixes_preempt_and_share_pages(tight: eSurge) -> None:
-    """The fuzz above ran under the pressure it claims (runs after it in file order)."""
-    stats = tight.stats
-    assert stats.num_preemptions > 0
-    assert stats.prefix_cache_hits > 0
+def fuzz_settings(examples: int) -> Any:
+    """Derandomized unless ESURGE_FUZZ_SEED asks for other examples."""
+    return settings(max_examples=examples, deadline=None,
+                    derandomize="ESURGE_FUZZ_SEED" not in os.environ,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                           HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
+@fuzz_settings(EXAMPLES)
+@given(mix=mixes())
+def test_a_mix_gives_each_request_what_it_gets_alone(engine: eSurge, tight: eSurge,
+                                                    mix: Mix) -> None:
+    _check_mix(engine, tight, mix)
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[eSurge, eSurge]]:
+    """(reference, tight) engines over a tiny Gemma 3: a sliding-window group of
+    8 tokens beside a full one, so pages leave the window while others are cached."""
+    model = build_model(hf_config("gemma3"), seed=1)
+    path = save_checkpoint(model, tmp_path_factory.mktemp("gemma3"))
+    tight_config = engine_config(async_=True, num_pages=24, threshold=8)
+    with (eSurge(path, engine_config(), show_progress=False) as reference,
+          eSurge(path, tight_config, show_progress=False, decode_steps=4) as tight):
+        yield reference, tight
+
+
+@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
+@fuzz_settings(max(1, EXAMPLES // 2))
+@given(mix=mixes(vocab=CHECKPOINT_VOCAB, text=False))
+def test_a_windowed_mix_gives_each_request_what_it_gets_alone(
+        windowed: tuple[eSurge, eSurge], mix: Mix) -> None:
+    _check_mix(*windowed, mix)
+
+
+def test_the_mixes_preempt_and_share_pages(tight: eSurge,
+                                           windowed: tuple[eSurge, eSurge]) -> None:
+    """The fuzzes above ran under the pressure they claim (run after them in file order)."""
+    for stats in (tight.stats, windowed[1].stats):
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits > 0
 
 
 def test_token_state_counts_the_step_in_flight(engine: eSurge, tight: eSurge) -> None:
