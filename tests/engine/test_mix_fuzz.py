@@ -3,13 +3,16 @@
 Hypothesis draws mixes of 2-8 requests: prompts that share prefixes, and
 sampling options of every kind (seeded temperatures, top-k/p, min-p, the three
 penalties, logit bias, allow-lists, bad words, min_tokens, stop tokens and
-strings, logprobs, prompt logprobs, n, regex and choice constraints). Each
-request runs alone on the roomy synchronous engine; then the whole mix runs at
-once on a tight one: async scheduling, decode bursts of 4, chunked prefill
-with an 8-token threshold and 23 usable pages, so requests are chunked,
-preempted and resumed, share cached pages and ride in bursts. Every sample
-must come out the same: tokens, text, finish and stop reasons, logprobs and
-prompt logprobs. Afterwards every page of the tight engine is free.
+strings, logprobs, prompt logprobs, n, regex and choice constraints) and
+priorities. Each request runs alone on the roomy synchronous engine; then the
+whole mix runs at once on a tight one: async and priority scheduling, decode
+bursts of 4, chunked prefill with an 8-token threshold and 23 usable pages,
+so requests are chunked, preempted and resumed, share cached pages and ride
+in bursts; every other request streams and its deltas are added up. Every
+sample must come out the same: tokens, text, finish and stop reasons,
+logprobs and prompt logprobs. Afterwards every page of the tight engine is
+free. The same runs on a tiny Gemma 3, whose sliding-window pages leave the
+window while its full-attention ones are cached.
 
 Examples are derandomized and requests seeded, so a failure replays;
 ESURGE_FUZZ_EXAMPLES and ESURGE_FUZZ_SEED run a longer hunt.
@@ -17,10 +20,11 @@ ESURGE_FUZZ_EXAMPLES and ESURGE_FUZZ_SEED run a longer hunt.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import queue
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from esurge import SamplingParams, StructuredOutputsParams, eSurge
-from esurge.engine.request_output import RequestOutput
+from esurge.config import Config
+from esurge.engine.request_output import CompletionOutput, RequestDelta, RequestOutput
 from esurge.outputs import TokenLogprobs
 from tests.engine.conftest import MAX_MODEL_LEN, engine_config
 from tests.models.checkpoints import COMMON, build_model, hf_config, save_checkpoint
@@ -43,11 +48,17 @@ LOGPROB_TOLERANCE = 1e-4  # the same float32 math in other batch shapes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+def tight_config() -> Config:
+    """Async, priority scheduling, 23 usable pages of 8 tokens: a mix preempts."""
+    config = engine_config(async_=True, num_pages=24, threshold=8)
+    return dataclasses.replace(config, scheduler_config=dataclasses.replace(
+        config.scheduler_config, policy="priority"))
+
+
 @pytest.fixture(scope="session")
 def tight(tiny_llama_dir: Path) -> Iterator[eSurge]:
-    """Async, bursts of 4, 23 usable pages of 8 tokens: a mix preempts."""
-    config = engine_config(async_=True, num_pages=24, threshold=8)
-    with eSurge(tiny_llama_dir, config, show_progress=False, decode_steps=4) as llm:
+    """The tiny Llama on tight_config(), in decode bursts of 4."""
+    with eSurge(tiny_llama_dir, tight_config(), show_progress=False, decode_steps=4) as llm:
         yield llm
 
 
@@ -98,10 +109,11 @@ def sampling(draw: st.DrawFn, prompt_len: int, vocab: int = VOCAB, text: bool = 
     return params.with_bad_words_token_ids(tuple(words)) if words else params
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Mix:
     prompts: list[list[int]]
     params: list[SamplingParams]
+    priorities: list[int]
 
 
 @st.composite
@@ -115,7 +127,9 @@ def mixes(draw: st.DrawFn, vocab: int = VOCAB, text: bool = True) -> Mix:
             base = draw(st.sampled_from(prompts))
             tail = base[:draw(st.integers(1, len(base)))] + tail
         prompts.append(tail[:MAX_MODEL_LEN - 1])
-    return Mix(prompts, [draw(sampling(len(p), vocab, text)) for p in prompts])
+    return Mix(prompts, [draw(sampling(len(p), vocab, text)) for p in prompts],
+               draw(st.lists(st.integers(-1, 1), min_size=len(prompts),
+                             max_size=len(prompts))))
 
 
 def _differ(a: Sequence[TokenLogprobs | None] | None,
@@ -147,13 +161,57 @@ def _same(alone: RequestOutput, mixed: RequestOutput) -> str | None:
     return None
 
 
+def _assemble(prompt_ids: list[int], deltas: list[RequestDelta]) -> RequestOutput:
+    """The RequestOutput a stream's deltas add up to."""
+    samples: dict[int, CompletionOutput] = {}
+    prompt_logprobs: list[TokenLogprobs | None] = []
+    for delta in deltas:
+        prompt_logprobs.extend(delta.prompt_logprobs)
+        for part in delta.outputs:
+            sample = samples.setdefault(part.index, CompletionOutput(part.index, logprobs=[]))
+            sample.token_ids.extend(part.token_ids)
+            sample.text += part.text
+            assert sample.logprobs is not None
+            sample.logprobs.extend(part.logprobs)
+            sample.finish, sample.stop_reason = part.finish, part.stop_reason
+    for sample in samples.values():
+        sample.logprobs = sample.logprobs or None
+    return RequestOutput(deltas[0].request_id, None, prompt_ids,
+                         [samples[i] for i in sorted(samples)], finished=deltas[-1].finished,
+                         prompt_logprobs=prompt_logprobs or None)
+
+
+def _run_mix(tight: eSurge, mix: Mix) -> list[RequestOutput]:
+    """The whole mix at once; every other request streams, and its deltas are assembled."""
+    done: queue.SimpleQueue[str] = queue.SimpleQueue()
+    finals: dict[str, RequestOutput] = {}
+    streams: dict[str, list[RequestDelta]] = {}
+
+    def on_output(item: RequestOutput | RequestDelta) -> None:
+        if isinstance(item, RequestOutput):
+            finals[item.request_id] = item
+        else:
+            streams.setdefault(item.request_id, []).append(item)
+        if item.finished:
+            done.put(item.request_id)
+
+    ids = [tight.submit_nowait(prompt, params, on_output, final_only=i % 2 == 0,
+                               priority=priority)[0]
+           for i, (prompt, params, priority) in enumerate(
+               zip(mix.prompts, mix.params, mix.priorities, strict=True))]
+    for _ in ids:
+        done.get(timeout=120)
+    return [finals[rid] if rid in finals else _assemble(prompt, streams[rid])
+            for rid, prompt in zip(ids, mix.prompts, strict=True)]
+
+
 def _check_mix(reference: eSurge, tight: eSurge, mix: Mix) -> None:
     alone = [reference.generate([p], params)[0]
              for p, params in zip(mix.prompts, mix.params, strict=True)]
-    mixed = tight.generate(mix.prompts, mix.params)
+    mixed = _run_mix(tight, mix)
     for i, (a, m) in enumerate(zip(alone, mixed, strict=True)):
         difference = _same(a, m)
-        assert difference is None, f"request {i}: {difference}"
+        assert difference is None, f"request {i} ({'streamed' if i % 2 else 'final'}): {difference}"
     stats = tight.stats
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_pages == stats.num_usable_pages
@@ -181,9 +239,8 @@ def windowed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[eSurge,
     8 tokens beside a full one, so pages leave the window while others are cached."""
     model = build_model(hf_config("gemma3"), seed=1)
     path = save_checkpoint(model, tmp_path_factory.mktemp("gemma3"))
-    tight_config = engine_config(async_=True, num_pages=24, threshold=8)
     with (eSurge(path, engine_config(), show_progress=False) as reference,
-          eSurge(path, tight_config, show_progress=False, decode_steps=4) as tight):
+          eSurge(path, tight_config(), show_progress=False, decode_steps=4) as tight):
         yield reference, tight
 
 
