@@ -1,0 +1,121 @@
+"""Over gRPC, each request of a concurrent mix gets what the library gives it alone.
+
+The mixes of tests/engine/test_mix_fuzz.py (every sampling option, shared
+prefixes, n, constraints, priorities) are sent to the shared real server all
+at once, each from its own thread: every other request over a streaming
+Generate, whose messages are added up, the rest over GenerateUnary. Each
+answer must carry the tokens, text, finish and stop reasons, logprobs and
+prompt logprobs that `eSurge.generate` returns for the request alone on the
+server's own engine, and a usage that counts them.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from hypothesis import given, seed
+
+from esurge.engine.request_output import CompletionOutput, RequestOutput
+from esurge.engine_types import FinishReason
+from esurge.outputs import TokenLogprobs
+from generated.esurge.v1 import engine_pb2, service_pb2
+from service.client import EngineClient
+from tests.engine.test_mix_fuzz import Mix, _same, fuzz_settings, mixes
+from tests.service.conftest import LiveServer
+
+EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "30"))
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _logprobs(msg: engine_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(tuple(msg.token_ids), tuple(msg.logprobs), msg.rank)
+
+
+def _prompt_logprobs(entries: Any) -> list[TokenLogprobs | None] | None:
+    out = [_logprobs(e.logprobs) if e.HasField("logprobs") else None for e in entries]
+    return out or None
+
+
+def _finish(reason: int) -> FinishReason | None:
+    name = engine_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
+    return None if name == "UNSPECIFIED" else FinishReason[name]
+
+
+def _stop_reason(msg: Any) -> int | str | None:
+    which = msg.WhichOneof("stop_reason")
+    return None if which is None else getattr(msg, which)
+
+
+def _completion(index: int, token_ids: list[int], text: str, logprobs: list[TokenLogprobs],
+                msg: Any) -> CompletionOutput:
+    return CompletionOutput(index, text, token_ids, _finish(msg.finish_reason),
+                            _stop_reason(msg), logprobs or None)
+
+
+Answer = tuple[RequestOutput, list[Any]]  # the output, and the usages that count it
+
+
+def _unary(response: service_pb2.GenerateUnaryResponse) -> Answer:
+    """One usage for the request: its samples' tokens summed."""
+    samples = [_completion(c.index, list(c.token_ids), c.text,
+                           [_logprobs(lp) for lp in c.logprobs], c)
+               for c in sorted(response.completions, key=lambda c: c.index)]
+    output = RequestOutput(response.request_id, None, [], samples, True,
+                           prompt_logprobs=_prompt_logprobs(response.prompt_logprobs))
+    return output, [response.usage]
+
+
+def _streamed(messages: list[service_pb2.GenerateResponse]) -> Answer:
+    """One usage per sample, on its last message."""
+    tokens: dict[int, list[int]] = {}
+    texts: dict[int, str] = {}
+    logprobs: dict[int, list[TokenLogprobs]] = {}
+    last: dict[int, service_pb2.GenerateResponse] = {}
+    prompt_logprobs: list[Any] = []
+    usages: dict[int, Any] = {}
+    for msg in messages:
+        tokens.setdefault(msg.index, []).extend(msg.token_ids)
+        texts[msg.index] = texts.get(msg.index, "") + msg.text
+        logprobs.setdefault(msg.index, []).extend(_logprobs(lp) for lp in msg.logprobs)
+        prompt_logprobs.extend(msg.prompt_logprobs)
+        last[msg.index] = msg
+        if msg.HasField("usage"):
+            usages[msg.index] = msg.usage
+    samples = [_completion(i, tokens[i], texts[i], logprobs[i], last[i]) for i in sorted(last)]
+    output = RequestOutput(messages[0].request_id, None, [], samples, True,
+                           prompt_logprobs=_prompt_logprobs(prompt_logprobs))
+    return output, [usages[i] for i in sorted(usages)]
+
+
+def _send(client: EngineClient, mix: Mix, i: int) -> Answer:
+    options = {"priority": mix.priorities[i], "return_text": True}
+    if i % 2:
+        return _streamed(list(client.generate(mix.prompts[i], mix.params[i], **options)))
+    return _unary(client.generate_unary(mix.prompts[i], mix.params[i], **options))
+
+
+@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
+@fuzz_settings(EXAMPLES)
+@given(mix=mixes())
+def test_a_mix_over_grpc_gives_each_request_what_it_gets_alone(live_server: LiveServer,
+                                                              mix: Mix) -> None:
+    engine = live_server.engine
+    alone = [engine.generate([p], params)[0]
+             for p, params in zip(mix.prompts, mix.params, strict=True)]
+    n = len(mix.prompts)
+    with (EngineClient(live_server.target, timeout=60) as client,
+          ThreadPoolExecutor(n) as pool):
+        answers = list(pool.map(lambda i: _send(client, mix, i), range(n)))
+    for i, (a, (got, usages)) in enumerate(zip(alone, answers, strict=True)):
+        how = "Generate" if i % 2 else "GenerateUnary"
+        difference = _same(a, got)
+        assert difference is None, f"request {i} over {how}: {difference}"
+        counts = [len(c.token_ids) for c in a.outputs]
+        assert [u.completion_tokens for u in usages] == (counts if i % 2 else [sum(counts)])
+        assert all(u.prompt_tokens == len(mix.prompts[i]) for u in usages), usages
+    load = live_server.wait_idle()
+    assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
