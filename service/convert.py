@@ -160,7 +160,16 @@ def structured_outputs_to_proto(params: StructuredOutputsParams
 
 
 def sampling_params_to_proto(params: SamplingParams) -> sampling_pb2.SamplingParams:
-    """The proto form of engine SamplingParams; every engine default is written out."""
+    """The proto form of engine SamplingParams; every engine default is written out.
+
+    esurge.v1 carries bad words as text, which the server tokenizes: token-id
+    bad words without their text cannot be sent (InvalidRequestError).
+    """
+    if params.bad_words_token_ids and not params.bad_words:
+        raise InvalidRequestError(
+            RequestField.sampling("bad_words_token_ids"),
+            "esurge.v1 has no token-id bad words (the server tokenizes bad_words): send "
+            "them as text in bad_words")
     msg = sampling_pb2.SamplingParams(
         n=params.n, temperature=params.temperature, top_p=params.top_p,
         repetition_penalty=params.repetition_penalty,

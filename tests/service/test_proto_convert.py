@@ -13,6 +13,7 @@ from esurge.engine_types import (
     EngineCoreEventType,
     FinishReason,
 )
+from esurge.errors import InvalidRequestError, RequestField
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
 from esurge.structured_output.params import StructuredOutputsParams
@@ -253,3 +254,14 @@ def test_structured_outputs_round_trip_over_the_wire(so: StructuredOutputsParams
     assert back.structured_outputs == so or (
         back.structured_outputs is not None and so.kind == "json"
         and back.structured_outputs.schema() == so.schema())
+
+
+def test_token_id_bad_words_are_refused_not_dropped() -> None:
+    """esurge.v1 carries bad words as text: the client used to drop token-id ones
+    silently, and the banned token came back (found by test_mix_grpc)."""
+    params = SamplingParams(max_tokens=8).with_bad_words_token_ids(((153,),))
+    with pytest.raises(InvalidRequestError) as refused:
+        convert.sampling_params_to_proto(params)
+    assert refused.value.field == RequestField.sampling("bad_words_token_ids")
+    text = SamplingParams(max_tokens=8, bad_words=("x",))
+    assert list(convert.sampling_params_to_proto(text).bad_words) == ["x"]
