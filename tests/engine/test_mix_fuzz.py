@@ -187,10 +187,9 @@ def _assemble(prompt_ids: list[int], deltas: list[RequestDelta]) -> RequestOutpu
                          prompt_logprobs=prompt_logprobs or None)
 
 
-def _run_mix(tight: eSurge, mix: Mix) -> list[RequestOutput | None]:
+def _run_mix(tight: eSurge, mix: Mix) -> list[RequestOutput]:
     """The whole mix at once. Every other request streams and its deltas are added
-    up; some streams are aborted after a few deltas (None: what they got is
-    checked in _check_mix)."""
+    up; some streams are aborted after a few deltas (their outputs unfinished)."""
     events: queue.SimpleQueue[str] = queue.SimpleQueue()
     finals: dict[str, RequestOutput] = {}
     streams: dict[str, list[RequestDelta]] = {}
