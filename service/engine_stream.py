@@ -119,11 +119,9 @@ class EngineStreamSession:
         cursor = self._cursors.get(request_id)
         if cursor is None:
             return
-        if isinstance(item, RequestDelta):
-            deltas = cursor.advance(item)
-            prompt_logprobs = cursor.new_prompt_logprobs(item) if deltas else []
-        else:
-            deltas, prompt_logprobs = cursor.abort_remaining(), []
+        deltas = (cursor.advance(item) if isinstance(item, RequestDelta)
+                  else cursor.abort_remaining())
+        prompt_logprobs = cursor.take_prompt_logprobs() if deltas else []
         for delta in deltas:
             output = cursor.engine_core_output(delta)
             if prompt_logprobs:

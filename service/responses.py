@@ -89,6 +89,7 @@ class RequestCursor:
     num_cached_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     _samples: list[_SampleState] = field(default_factory=list)
+    _prompt_logprobs: list[engine_pb2.PositionLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -100,17 +101,24 @@ class RequestCursor:
         """True once every sample has sent its last delta."""
         return all(s.finished for s in self._samples)
 
-    @staticmethod
-    def new_prompt_logprobs(delta: RequestDelta) -> list[engine_pb2.PositionLogprobs]:
-        """The prompt logprobs this step delivered (chunked prefill sends them in parts)."""
-        return prompt_logprobs_to_proto(list(delta.prompt_logprobs))
+    def take_prompt_logprobs(self) -> list[engine_pb2.PositionLogprobs]:
+        """The prompt logprobs delivered since the last call, to send now.
+
+        Chunked prefill delivers them in parts, and a chunk's step may give no
+        message to carry its part: the part waits here for the next message.
+        """
+        out, self._prompt_logprobs = self._prompt_logprobs, []
+        return out
 
     def advance(self, delta: RequestDelta) -> list[SampleDelta]:
-        """The message parts of every sample `delta` touched."""
+        """The message parts of every sample `delta` touched (its prompt
+        logprobs wait for `take_prompt_logprobs`)."""
         if delta.first:
             self.prompt_tokens = len(delta.prompt_token_ids)
             self.num_cached_tokens = delta.num_cached_tokens
             self.prompt_token_ids = list(delta.prompt_token_ids)
+        if delta.prompt_logprobs:
+            self._prompt_logprobs.extend(prompt_logprobs_to_proto(list(delta.prompt_logprobs)))
         out = []
         for completion in delta.outputs:
             part = self._advance_sample(completion)

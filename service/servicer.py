@@ -155,25 +155,22 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
             gen, request_id, sink = await self._start(bridge, request.request, context)
             cursor = RequestCursor(request_id, gen.sampling_params.n, gen.return_text,
                                    gen.return_events)
-            prompt_logprobs: list[engine_pb2.PositionLogprobs] = []  # not yet sent
             try:
                 while not cursor.finished:
                     items = [item for _, item in await drain(sink)]
-                    for msg in await self._stream_messages(cursor, items, gen, context,
-                                                           prompt_logprobs):
+                    for msg in await self._stream_messages(cursor, items, gen, context):
                         yield msg
             finally:
                 if not cursor.finished:
                     bridge.abort(request_id)
 
     async def _stream_messages(self, cursor: RequestCursor, items: list[BridgeItem],
-                               gen: GenerationRequest, context: Any,
-                               prompt_logprobs: list[engine_pb2.PositionLogprobs]
+                               gen: GenerationRequest, context: Any
                                ) -> list[service_pb2.GenerateResponse]:
         """The messages for what arrived since the last send: one per sample.
 
-        Prompt logprobs ride on the first message; a prefill chunk that sends
-        none keeps its entries in `prompt_logprobs` for the next one.
+        Prompt logprobs ride on the first message; those of a prefill chunk
+        that sends none wait in the cursor for the next one.
         """
         parts: list[SampleDelta] = []
         for item in items:
@@ -181,15 +178,13 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
                 await abort_with_status(context, internal(f"the engine failed: {item}"))
             if isinstance(item, RequestDelta):
                 parts.extend(cursor.advance(item))
-                prompt_logprobs.extend(cursor.new_prompt_logprobs(item))
             else:
                 parts.extend(cursor.abort_remaining())
         messages = [cursor.generate_response(d, with_prompt_ids=gen.return_prompt_token_ids,
                                              total_drafts=cursor.sample_totals(d.index))
                     for d in coalesce(parts)]
-        if messages and prompt_logprobs:
-            messages[0].prompt_logprobs.extend(prompt_logprobs)
-            prompt_logprobs.clear()
+        if messages:
+            messages[0].prompt_logprobs.extend(cursor.take_prompt_logprobs())
         return messages
 
     async def GenerateUnary(self, request: service_pb2.GenerateUnaryRequest,

@@ -27,12 +27,8 @@ class UnaryCollector:
     def add(self, item: RequestDelta | Aborted) -> None:
         """Take in one step's delta, or the request's abort."""
         cursor = self.cursor
-        if isinstance(item, Aborted):
-            deltas = cursor.abort_remaining()
-        else:
-            deltas = cursor.advance(item)
-            if deltas:
-                self.prompt_logprobs.extend(cursor.new_prompt_logprobs(item))
+        deltas = cursor.abort_remaining() if isinstance(item, Aborted) else cursor.advance(item)
+        self.prompt_logprobs.extend(cursor.take_prompt_logprobs())
         for delta in deltas:
             completion = self.completions[delta.index]
             completion.token_ids.extend(delta.token_ids)

@@ -65,6 +65,31 @@ def test_stream_token_id_prompt_with_logprobs(live_server: Any, client: Any) -> 
     assert all(len(lp.token_ids) == 4 and lp.rank == 1 for lp in logprobs)  # greedy: rank 1
 
 
+def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks(live_server: Any, client: Any) -> None:
+    # 150 tokens at 64 a step: three prefill chunks, the first two without a
+    # token. Each path sends every position once; GenerateUnary and
+    # EngineStream dropped the middle chunk's 64 (86 of 150 arrived).
+    prompt = [3 + (i * 7) % 500 for i in range(150)]
+    params = greedy(3, prompt_logprobs=1)
+    [expected] = live_server.engine.generate([prompt], params)
+    assert expected.prompt_logprobs is not None and len(expected.prompt_logprobs) == 150
+    want = [None if e is None else (list(e.token_ids), pytest.approx(e.logprobs, abs=1e-4))
+            for e in expected.prompt_logprobs]
+
+    def entries(positions: Any) -> list[Any]:
+        return [(list(p.logprobs.token_ids), list(p.logprobs.logprobs))
+                if p.HasField("logprobs") else None for p in positions]
+
+    streamed = [p for m in client.generate(prompt, params) for p in m.prompt_logprobs]
+    unary = client.generate_unary(prompt, params).prompt_logprobs
+    multiplexed = [p for r in client.engine_stream([service_pb2.EngineStreamRequest(
+        add_request=build_request(prompt, params, request_id="chunked-plp"))])
+        for o in r.outputs.outputs for p in o.new_prompt_logprobs]
+    for how, got in (("Generate", streamed), ("GenerateUnary", unary),
+                     ("EngineStream", multiplexed)):
+        assert entries(got) == want, how
+
+
 async def test_32_concurrent_streams(live_server: Any, client: Any) -> None:
     prompts = [prompt_ids(i) for i in range(32)]
     params = [greedy(8 + i % 9) for i in range(32)]
