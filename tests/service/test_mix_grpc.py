@@ -6,7 +6,8 @@ at once, each from its own thread: every other request over a streaming
 Generate, whose messages are added up, the rest over GenerateUnary. Each
 answer must carry the tokens, text, finish and stop reasons, logprobs and
 prompt logprobs that `eSurge.generate` returns for the request alone on the
-server's own engine, and a usage that counts them.
+server's own engine, and a usage that counts them. The same mixes multiplexed
+over one EngineStream call (as a gateway sends them) must do the same.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from esurge.engine.request_output import CompletionOutput, RequestOutput
 from esurge.engine_types import FinishReason
 from esurge.outputs import TokenLogprobs
 from generated.esurge.v1 import engine_pb2, service_pb2
-from service.client import EngineClient
+from service.client import EngineClient, build_request
+from service.responses import sample_request_id
 from tests.engine.test_mix_fuzz import Mix, _same, fuzz_settings, mixes
 from tests.service.conftest import LiveServer
 
@@ -104,9 +106,7 @@ def _send(client: EngineClient, mix: Mix, i: int) -> Answer:
 @given(mix=mixes())
 def test_a_mix_over_grpc_gives_each_request_what_it_gets_alone(live_server: LiveServer,
                                                               mix: Mix) -> None:
-    # esurge.v1 has no token-id bad words (sampling_params_to_proto refuses them).
-    mix = dataclasses.replace(mix, params=[dataclasses.replace(p, bad_words_token_ids=())
-                                           for p in mix.params])
+    mix = _strip_bad_words(mix)
     engine = live_server.engine
     alone = [engine.generate([p], params)[0]
              for p, params in zip(mix.prompts, mix.params, strict=True)]
@@ -121,5 +121,65 @@ def test_a_mix_over_grpc_gives_each_request_what_it_gets_alone(live_server: Live
         counts = [len(c.token_ids) for c in a.outputs]
         assert [u.completion_tokens for u in usages] == (counts if i % 2 else [sum(counts)])
         assert all(u.prompt_tokens == len(mix.prompts[i]) for u in usages), usages
+    load = live_server.wait_idle()
+    assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
+
+
+def _strip_bad_words(mix: Mix) -> Mix:
+    # esurge.v1 has no token-id bad words (sampling_params_to_proto refuses them).
+    return dataclasses.replace(mix, params=[dataclasses.replace(p, bad_words_token_ids=())
+                                            for p in mix.params])
+
+
+def _multiplexed(outputs: list[engine_pb2.EngineCoreOutputs], mix: Mix) -> list[RequestOutput]:
+    """Each request's output, added up from the stream's per-step messages."""
+    by_id: dict[str, list[engine_pb2.EngineCoreOutput]] = {}
+    finished: list[str] = []
+    for step in outputs:
+        for out in step.outputs:
+            by_id.setdefault(out.request_id, []).append(out)
+        finished.extend(step.finished_requests)
+    assert sorted(finished) == sorted(set(finished)), f"finished twice: {finished}"
+    answers = []
+    for i, params in enumerate(mix.params):
+        prompt_logprobs: list[Any] = []
+        samples = []
+        for index in range(params.n):
+            parts = by_id.pop(sample_request_id(f"mux-{i}", index, params.n))
+            assert [p.finish_reason != 0 for p in parts].count(True) == 1, parts
+            assert parts[-1].finish_reason != 0, parts
+            for part in parts:
+                prompt_logprobs.extend(part.new_prompt_logprobs)
+            samples.append(_completion(
+                index, [t for p in parts for t in p.new_token_ids], "",
+                [_logprobs(lp) for p in parts for lp in p.new_logprobs], parts[-1]))
+        answers.append(RequestOutput(f"mux-{i}", None, [], samples, True,
+                                     prompt_logprobs=_prompt_logprobs(prompt_logprobs)))
+    assert not by_id, f"outputs for requests never sent: {sorted(by_id)}"
+    return answers
+
+
+@seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
+@fuzz_settings(EXAMPLES)
+@given(mix=mixes())
+def test_a_mix_over_one_engine_stream_gives_each_request_what_it_gets_alone(
+        live_server: LiveServer, mix: Mix) -> None:
+    mix = _strip_bad_words(mix)
+    engine = live_server.engine
+    alone = [engine.generate([p], params)[0]
+             for p, params in zip(mix.prompts, mix.params, strict=True)]
+    requests = [service_pb2.EngineStreamRequest(add_request=build_request(
+        prompt, params, request_id=f"mux-{i}", priority=priority, return_text=False))
+        for i, (prompt, params, priority) in enumerate(
+            zip(mix.prompts, mix.params, mix.priorities, strict=True))]
+    with EngineClient(live_server.target, timeout=60) as client:
+        replies = list(client.engine_stream(requests))
+    assert not [r for r in replies if r.HasField("rejection")], replies
+    answers = _multiplexed([r.outputs for r in replies], mix)
+    for i, (a, got) in enumerate(zip(alone, answers, strict=True)):
+        a = dataclasses.replace(a, outputs=[dataclasses.replace(c, text="")
+                                            for c in a.outputs])
+        difference = _same(a, got)
+        assert difference is None, f"request {i}: {difference}"
     load = live_server.wait_idle()
     assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
