@@ -147,3 +147,53 @@ def test_smg_lists_the_worker_healthy(gateway: int, live_server: LiveServer) -> 
     assert worker["runtime_type"] == "vllm" and worker["connection_mode"] == "grpc"
     assert worker["models"][0]["context_length"] == (
         live_server.engine.config.scheduler_config.max_model_len)
+
+
+# OpenAI fields smg forwards, one at a time, on a base where each changes the
+# output (the test checks that it does, so a field dropped on the way fails).
+GREEDY = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+SAMPLED = {"temperature": 1.0, "seed": 3, "max_tokens": 12, "ignore_eos": True}
+FORWARDED = [
+    (GREEDY, {"presence_penalty": 2.0}), (GREEDY, {"frequency_penalty": -2.0}),
+    (GREEDY, {"repetition_penalty": 1.5}), (GREEDY, {"stop": ["e"]}),
+    (SAMPLED, {"top_k": 5}), (SAMPLED, {"top_p": 0.05}), (SAMPLED, {"min_p": 0.99}),
+    (SAMPLED, {"seed": 4}), (SAMPLED, {"n": 2, "temperature": 0.8}),
+]
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
+
+
+@pytest.mark.parametrize(("base", "option"), FORWARDED)
+def test_sampling_options_through_smg_act_as_in_the_library(
+        gateway: int, live_server: LiveServer, base: dict[str, Any],
+        option: dict[str, Any]) -> None:
+    prompt = "def add(a, b):"
+    [ours] = live_server.engine.generate([prompt], _params({**base, **option}))
+    [without] = live_server.engine.generate([prompt], _params(base))
+    expected = [(o.text, o.finish_reason) for o in ours.outputs]
+    assert expected != [(o.text, o.finish_reason) for o in without.outputs]
+    status, reply = _http(gateway, "POST", "/v1/completions",
+                          {"model": _model(gateway), "prompt": prompt, **base, **option})
+    assert status == 200, reply
+    choices = sorted(reply["choices"], key=lambda c: c["index"])
+    assert [(c["text"], c["finish_reason"]) for c in choices] == expected
+    assert reply["usage"]["completion_tokens"] == sum(len(o.token_ids) for o in ours.outputs)
+
+
+def test_chat_logprobs_through_smg_are_the_library_s(gateway: int,
+                                                    live_server: LiveServer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    ours = live_server.engine.chat(messages, SamplingParams(temperature=0.0, max_tokens=5,
+                                                            logprobs=2)).outputs[0]
+    status, reply = _http(gateway, "POST", "/v1/chat/completions", {
+        "model": _model(gateway), "messages": messages, "max_tokens": 5, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2})
+    assert status == 200, reply
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert ours.logprobs is not None and len(content) == len(ours.logprobs) == 5
+    for entry, lp in zip(content, ours.logprobs, strict=True):
+        assert entry["logprob"] == pytest.approx(lp.logprobs[0], abs=1e-4)
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            list(lp.logprobs[1:3]), abs=1e-4)
