@@ -12,8 +12,11 @@ over one EngineStream call (as a gateway sends them) must do the same.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import queue
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -159,6 +162,41 @@ def _multiplexed(outputs: list[engine_pb2.EngineCoreOutputs], mix: Mix) -> list[
     return answers
 
 
+def _engine_stream(target: str, mix: Mix) -> list[service_pb2.EngineStreamResponse]:
+    """Every request of the mix on one EngineStream; a request with an abort
+    point is aborted on the stream once that many of its outputs arrived.
+    The client half-closes when every request has ended."""
+    actions: queue.SimpleQueue[service_pb2.EngineStreamRequest | None] = queue.SimpleQueue()
+    for i, (prompt, params, priority) in enumerate(
+            zip(mix.prompts, mix.params, mix.priorities, strict=True)):
+        actions.put(service_pb2.EngineStreamRequest(add_request=build_request(
+            prompt, params, request_id=f"mux-{i}", priority=priority, return_text=False)))
+
+    def messages() -> Iterator[service_pb2.EngineStreamRequest]:
+        while (action := actions.get(timeout=60)) is not None:
+            yield action
+
+    abort_after = {f"mux-{i}": k for i, k in enumerate(mix.aborts) if k is not None}
+    request_of = {sample_request_id(f"mux-{i}", j, p.n): f"mux-{i}"
+                  for i, p in enumerate(mix.params) for j in range(p.n)}
+    open_samples = set(request_of)
+    seen: collections.Counter[str] = collections.Counter()
+    replies = []
+    with EngineClient(target, timeout=60) as client:
+        for reply in client.engine_stream(messages()):
+            replies.append(reply)
+            for out in reply.outputs.outputs:
+                rid = request_of[out.request_id]
+                seen[rid] += 1
+                if seen[rid] == abort_after.get(rid):
+                    actions.put(service_pb2.EngineStreamRequest(
+                        abort=service_pb2.RequestIds(request_ids=[rid])))
+            open_samples -= set(reply.outputs.finished_requests)
+            if not open_samples:
+                actions.put(None)
+    return replies
+
+
 @seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
 @fuzz_settings(EXAMPLES)
 @given(mix=mixes())
@@ -168,18 +206,20 @@ def test_a_mix_over_one_engine_stream_gives_each_request_what_it_gets_alone(
     engine = live_server.engine
     alone = [engine.generate([p], params)[0]
              for p, params in zip(mix.prompts, mix.params, strict=True)]
-    requests = [service_pb2.EngineStreamRequest(add_request=build_request(
-        prompt, params, request_id=f"mux-{i}", priority=priority, return_text=False))
-        for i, (prompt, params, priority) in enumerate(
-            zip(mix.prompts, mix.params, mix.priorities, strict=True))]
-    with EngineClient(live_server.target, timeout=60) as client:
-        replies = list(client.engine_stream(requests))
+    replies = _engine_stream(live_server.target, mix)
     assert not [r for r in replies if r.HasField("rejection")], replies
     answers = _multiplexed([r.outputs for r in replies], mix)
     for i, (a, got) in enumerate(zip(alone, answers, strict=True)):
+        if any(s.finish == FinishReason.ABORT for s in got.outputs):
+            # Aborted on the stream: what came before is where it was heading.
+            assert mix.aborts[i] is not None, f"request {i} aborted unasked"
+            assert all(s.token_ids == a.outputs[s.index].token_ids[:len(s.token_ids)]
+                       for s in got.outputs), f"request {i} (aborted)"
+            continue
         a = dataclasses.replace(a, outputs=[dataclasses.replace(c, text="")
                                             for c in a.outputs])
         difference = _same(a, got)
         assert difference is None, f"request {i}: {difference}"
     load = live_server.wait_idle()
     assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
+    assert load.kv_cache_usage == 0.0, load

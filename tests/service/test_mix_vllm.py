@@ -4,10 +4,11 @@ gets what the library gives it alone.
 The mixes of tests/engine/test_mix_fuzz.py, less what the protocol cannot say
 (allow-lists, bad words, priorities; seeds within its int32), go to the shared
 real server all at once, one thread per request: every other request with
-`stream=True`, whose chunks are added up, the rest answered by completes
-only. Each sample must carry the tokens, finish reason, matched stop,
-logprobs and prompt logprobs (in the protocol's columnar form) that
-`eSurge.generate` returns for the request alone, and counts that match them.
+`stream=True`, whose chunks are added up (some aborted by the protocol's
+Abort after a few), the rest answered by completes only. Each sample must
+carry the tokens, finish reason, matched stop, logprobs and prompt logprobs
+(in the protocol's columnar form) that `eSurge.generate` returns for the
+request alone, and counts that match them; an aborted one, a prefix of them.
 """
 
 from __future__ import annotations
@@ -122,11 +123,21 @@ def _answer(prompt: list[int], replies: list[pb.GenerateResponse], stream: bool
                          prompt_logprobs=next(iter(prompt_logprobs.values())))
 
 
-def _send(target: str, prompt: list[int], params: SamplingParams, i: int) -> RequestOutput:
+def _send(target: str, prompt: list[int], params: SamplingParams, i: int,
+          abort_after: int | None) -> RequestOutput:
+    """One request; a streamed one with an abort point is aborted by the
+    protocol's Abort (as smg does when its client hangs up) after that many
+    chunks, and its call still ends with a complete per sample."""
+    stream = i % 2 == 1
+    replies = []
     with grpc.insecure_channel(target) as channel:
-        replies = list(pb_grpc.VllmEngineStub(channel).Generate(
-            _to_vllm(prompt, params, f"vllm-mix-{i}", stream=i % 2 == 1), timeout=60))
-    return _answer(prompt, replies, stream=i % 2 == 1)
+        stub = pb_grpc.VllmEngineStub(channel)
+        for reply in stub.Generate(_to_vllm(prompt, params, f"vllm-mix-{i}", stream),
+                                   timeout=60):
+            replies.append(reply)
+            if stream and len(replies) == abort_after:
+                stub.Abort(pb.AbortRequest(request_ids=[f"vllm-mix-{i}"]), timeout=60)
+    return _answer(prompt, replies, stream)
 
 
 @seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
@@ -140,8 +151,13 @@ def test_a_mix_over_the_vllm_protocol_gives_each_request_what_it_gets_alone(
     n = len(mix.prompts)
     with ThreadPoolExecutor(n) as pool:
         answers = list(pool.map(lambda i: _send(live_server.target, mix.prompts[i],
-                                                params[i], i), range(n)))
+                                                params[i], i, mix.aborts[i]), range(n)))
     for i, (a, got) in enumerate(zip(alone, answers, strict=True)):
+        if any(s.finish == FinishReason.ABORT for s in got.outputs):
+            assert mix.aborts[i] is not None, f"request {i} aborted unasked"
+            assert all(s.token_ids == a.outputs[s.index].token_ids[:len(s.token_ids)]
+                       for s in got.outputs), f"request {i} (aborted)"
+            continue
         a = dataclasses.replace(a, outputs=[dataclasses.replace(c, text="")
                                             for c in a.outputs])
         difference = _same(a, got)
@@ -149,4 +165,5 @@ def test_a_mix_over_the_vllm_protocol_gives_each_request_what_it_gets_alone(
         assert difference is None, f"request {i} ({how}): {difference}"
     load = live_server.wait_idle()
     assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
+    assert load.kv_cache_usage == 0.0, load
 
