@@ -162,6 +162,24 @@ def _multiplexed(outputs: list[engine_pb2.EngineCoreOutputs], mix: Mix) -> list[
     return answers
 
 
+def assert_tokens_as_alone(alone: list[RequestOutput], answers: list[RequestOutput],
+                           mix: Mix) -> None:
+    """Each answer (of a protocol without text) is its request's output alone;
+    an aborted one, a prefix of it."""
+    for i, (a, got) in enumerate(zip(alone, answers, strict=True)):
+        if any(s.finish == FinishReason.ABORT for s in got.outputs):
+            # What came before the abort is where the request was heading.
+            assert mix.aborts[i] is not None, f"request {i} aborted unasked"
+            assert all(s.token_ids == a.outputs[s.index].token_ids[:len(s.token_ids)]
+                       for s in got.outputs), f"request {i} (aborted)"
+            continue
+        a = dataclasses.replace(a, outputs=[dataclasses.replace(c, text="")
+                                            for c in a.outputs])
+        difference = _same(a, got)
+        assert difference is None, f"request {i} ({'streamed' if i % 2 else 'whole'}): " \
+                                   f"{difference}"
+
+
 def _engine_stream(target: str, mix: Mix) -> list[service_pb2.EngineStreamResponse]:
     """Every request of the mix on one EngineStream; a request with an abort
     point is aborted on the stream once that many of its outputs arrived.
@@ -208,18 +226,7 @@ def test_a_mix_over_one_engine_stream_gives_each_request_what_it_gets_alone(
              for p, params in zip(mix.prompts, mix.params, strict=True)]
     replies = _engine_stream(live_server.target, mix)
     assert not [r for r in replies if r.HasField("rejection")], replies
-    answers = _multiplexed([r.outputs for r in replies], mix)
-    for i, (a, got) in enumerate(zip(alone, answers, strict=True)):
-        if any(s.finish == FinishReason.ABORT for s in got.outputs):
-            # Aborted on the stream: what came before is where it was heading.
-            assert mix.aborts[i] is not None, f"request {i} aborted unasked"
-            assert all(s.token_ids == a.outputs[s.index].token_ids[:len(s.token_ids)]
-                       for s in got.outputs), f"request {i} (aborted)"
-            continue
-        a = dataclasses.replace(a, outputs=[dataclasses.replace(c, text="")
-                                            for c in a.outputs])
-        difference = _same(a, got)
-        assert difference is None, f"request {i}: {difference}"
+    assert_tokens_as_alone(alone, _multiplexed([r.outputs for r in replies], mix), mix)
     load = live_server.wait_idle()
     assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
     assert load.kv_cache_usage == 0.0, load

@@ -27,8 +27,9 @@ from esurge.engine.request_output import CompletionOutput, RequestOutput
 from esurge.engine_types import FinishReason
 from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
-from tests.engine.test_mix_fuzz import Mix, _same, fuzz_settings, mixes
+from tests.engine.test_mix_fuzz import Mix, fuzz_settings, mixes
 from tests.service.conftest import LiveServer
+from tests.service.test_mix_grpc import assert_tokens_as_alone
 
 EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "30"))
 
@@ -152,17 +153,7 @@ def test_a_mix_over_the_vllm_protocol_gives_each_request_what_it_gets_alone(
     with ThreadPoolExecutor(n) as pool:
         answers = list(pool.map(lambda i: _send(live_server.target, mix.prompts[i],
                                                 params[i], i, mix.aborts[i]), range(n)))
-    for i, (a, got) in enumerate(zip(alone, answers, strict=True)):
-        if any(s.finish == FinishReason.ABORT for s in got.outputs):
-            assert mix.aborts[i] is not None, f"request {i} aborted unasked"
-            assert all(s.token_ids == a.outputs[s.index].token_ids[:len(s.token_ids)]
-                       for s in got.outputs), f"request {i} (aborted)"
-            continue
-        a = dataclasses.replace(a, outputs=[dataclasses.replace(c, text="")
-                                            for c in a.outputs])
-        difference = _same(a, got)
-        how = "streamed" if i % 2 else "completes only"
-        assert difference is None, f"request {i} ({how}): {difference}"
+    assert_tokens_as_alone(alone, answers, mix)
     load = live_server.wait_idle()
     assert (load.num_running_requests, load.num_waiting_requests) == (0, 0), load
     assert load.kv_cache_usage == 0.0, load
