@@ -138,6 +138,12 @@ def mixes(draw: st.DrawFn, vocab: int = VOCAB, text: bool = True) -> Mix:
                 for i in range(n)])
 
 
+def greedy(mix: Mix) -> Mix:
+    """The mix with every request greedy (its other options kept)."""
+    return dataclasses.replace(mix, params=[dataclasses.replace(p, temperature=0.0)
+                                            for p in mix.params])
+
+
 def _differ(a: Sequence[TokenLogprobs | None] | None,
             b: Sequence[TokenLogprobs | None] | None) -> str | None:
     """Where two logprob lists differ (ids exactly, values within tolerance), or None."""

@@ -7,7 +7,6 @@ words, min_tokens) acts on the vocabulary-sharded logits as on whole ones."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.engine.test_mix_fuzz import (
     Mix,
     _check_mix,
     fuzz_settings,
+    greedy,
     mixes,
     tight_config,
 )
@@ -51,9 +51,7 @@ def test_a_greedy_mix_over_eight_devices_gives_what_one_device_gives_alone(
         engines: tuple[eSurge, eSurge], mix: Mix) -> None:
     # Greedy only: sampling draws against sums taken in another order, and a
     # draw near a top-p or min-p edge may land on the other side of it.
-    mix = dataclasses.replace(mix, params=[dataclasses.replace(p, temperature=0.0)
-                                           for p in mix.params])
-    _check_mix(*engines, mix)
+    _check_mix(*engines, greedy(mix))
 
 
 def test_the_mixes_preempted_and_shared_pages(engines: tuple[eSurge, eSurge]) -> None:

@@ -17,7 +17,14 @@ import pytest
 from hypothesis import given, seed
 
 from esurge import eSurge
-from tests.engine.test_mix_fuzz import CUT_SHORT, Mix, _check_mix, fuzz_settings, mixes
+from tests.engine.test_mix_fuzz import (
+    CUT_SHORT,
+    Mix,
+    _check_mix,
+    fuzz_settings,
+    greedy,
+    mixes,
+)
 from tests.spec_decode.helpers import bigram_pair, spec_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -47,9 +54,7 @@ def test_a_greedy_mix_with_drafts_gives_what_plain_decoding_gives_alone(
         engines: tuple[eSurge, eSurge], mix: Mix) -> None:
     # Greedy only: a sampled request draws its tokens through rejection
     # sampling, the same distribution but not the same draws.
-    mix = dataclasses.replace(mix, params=[dataclasses.replace(p, temperature=0.0)
-                                           for p in mix.params])
-    _check_mix(*engines, mix)
+    _check_mix(*engines, greedy(mix))
 
 
 def test_the_mixes_drafted_preempted_and_shared_pages(engines: tuple[eSurge, eSurge]) -> None:
