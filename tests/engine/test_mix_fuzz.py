@@ -66,8 +66,8 @@ def tight(tiny_llama_dir: Path) -> Iterator[eSurge]:
 
 
 @st.composite
-def sampling(draw: st.DrawFn, prompt_len: int, vocab: int = VOCAB, text: bool = True
-             ) -> SamplingParams:
+def sampling(draw: st.DrawFn, prompt_len: int, vocab: int = VOCAB, text: bool = True,
+             max_len: int = MAX_MODEL_LEN) -> SamplingParams:
     """Options of every kind, each in a third or so of the requests (those that
     need a tokenizer only with `text`)."""
     ids = st.integers(3, vocab - 1)
@@ -75,7 +75,7 @@ def sampling(draw: st.DrawFn, prompt_len: int, vocab: int = VOCAB, text: bool = 
     def maybe(strategy: st.SearchStrategy[Any], default: Any) -> Any:
         return draw(st.one_of(st.just(default), strategy))
 
-    max_tokens = draw(st.integers(1, min(40, MAX_MODEL_LEN - prompt_len)))
+    max_tokens = draw(st.integers(1, min(40, max_len - prompt_len)))
     allowed = maybe(st.lists(ids | st.just(EOS), min_size=2, max_size=6, unique=True), None)
     kwargs: dict[str, Any] = {
         "n": maybe(st.integers(2, 3), 1),
@@ -121,18 +121,26 @@ class Mix:
 
 
 @st.composite
-def mixes(draw: st.DrawFn, vocab: int = VOCAB, text: bool = True) -> Mix:
-    """2-8 requests; about half extend the prompt of an earlier one (prefix hits)."""
+def mixes(draw: st.DrawFn, vocab: int = VOCAB, text: bool = True,
+          max_len: int = MAX_MODEL_LEN) -> Mix:
+    """2-8 requests; about half extend the prompt of an earlier one (prefix hits).
+    Prompts of 1-40 new tokens, and with a `max_len` well past that, a quarter
+    of max_len - 81 to max_len - 41 (several prefill chunks on an engine of
+    larger steps)."""
     ids = st.integers(3, vocab - 1)
+    sizes = st.just((1, 40))
+    if max_len - 41 > 40:
+        sizes = st.sampled_from([(1, 40)] * 3 + [(max_len - 81, max_len - 41)])
     prompts: list[list[int]] = []
     for _ in range(draw(st.integers(2, 8))):
-        tail = draw(st.lists(ids, min_size=1, max_size=40))
+        low, high = draw(sizes)
+        tail = draw(st.lists(ids, min_size=low, max_size=high))
         if prompts and draw(st.booleans()):
             base = draw(st.sampled_from(prompts))
             tail = base[:draw(st.integers(1, len(base)))] + tail
-        prompts.append(tail[:MAX_MODEL_LEN - 1])
+        prompts.append(tail[:max_len - 1])
     n = len(prompts)
-    return Mix(prompts, [draw(sampling(len(p), vocab, text)) for p in prompts],
+    return Mix(prompts, [draw(sampling(len(p), vocab, text, max_len)) for p in prompts],
                draw(st.lists(st.integers(-1, 1), min_size=n, max_size=n)),
                [draw(st.one_of(st.none(), st.integers(1, 6))) if i % 2 else None
                 for i in range(n)])

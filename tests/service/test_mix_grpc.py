@@ -33,6 +33,8 @@ from tests.engine.test_mix_fuzz import Mix, _same, fuzz_settings, mixes
 from tests.service.conftest import LiveServer
 
 EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "30"))
+# Prompts up to 159 tokens: three prefill chunks at the server's 64 tokens a step.
+LONG = 200
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -106,7 +108,7 @@ def _send(client: EngineClient, mix: Mix, i: int) -> Answer:
 
 @seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
 @fuzz_settings(EXAMPLES)
-@given(mix=mixes())
+@given(mix=mixes(max_len=LONG))
 def test_a_mix_over_grpc_gives_each_request_what_it_gets_alone(live_server: LiveServer,
                                                               mix: Mix) -> None:
     mix = _strip_bad_words(mix)
@@ -217,7 +219,7 @@ def _engine_stream(target: str, mix: Mix) -> list[service_pb2.EngineStreamRespon
 
 @seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
 @fuzz_settings(EXAMPLES)
-@given(mix=mixes())
+@given(mix=mixes(max_len=LONG))
 def test_a_mix_over_one_engine_stream_gives_each_request_what_it_gets_alone(
         live_server: LiveServer, mix: Mix) -> None:
     mix = _strip_bad_words(mix)

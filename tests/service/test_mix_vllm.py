@@ -29,7 +29,7 @@ from esurge.outputs import TokenLogprobs
 from esurge.sampling_params import SamplingParams
 from tests.engine.test_mix_fuzz import Mix, fuzz_settings, mixes
 from tests.service.conftest import LiveServer
-from tests.service.test_mix_grpc import assert_tokens_as_alone
+from tests.service.test_mix_grpc import LONG, assert_tokens_as_alone
 
 EXAMPLES = int(os.environ.get("ESURGE_FUZZ_EXAMPLES", "30"))
 
@@ -143,7 +143,7 @@ def _send(target: str, prompt: list[int], params: SamplingParams, i: int,
 
 @seed(int(os.environ.get("ESURGE_FUZZ_SEED", "0")))
 @fuzz_settings(EXAMPLES)
-@given(mix=mixes())
+@given(mix=mixes(max_len=LONG))
 def test_a_mix_over_the_vllm_protocol_gives_each_request_what_it_gets_alone(
         live_server: LiveServer, mix: Mix) -> None:
     params = [_protocol_params(p) for p in mix.params]
