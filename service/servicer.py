@@ -183,8 +183,8 @@ class EngineServicer(service_pb2_grpc.EngineServiceServicer):
         messages = [cursor.generate_response(d, with_prompt_ids=gen.return_prompt_token_ids,
                                              total_drafts=cursor.sample_totals(d.index))
                     for d in coalesce(parts)]
-        if messages:
-            messages[0].prompt_logprobs.extend(cursor.take_prompt_logprobs())
+        if messages and (pending := cursor.take_prompt_logprobs()):
+            messages[0].prompt_logprobs.extend(pending)
         return messages
 
     async def GenerateUnary(self, request: service_pb2.GenerateUnaryRequest,
