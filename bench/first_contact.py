@@ -6,8 +6,8 @@ restarts), then time to first token and decode speed of short chats over gRPC.
 
 Each start is `python -m service` with the Makefile's own SERVE_FLAGS, in its
 own process, timed from launch until the health check answers SERVING. The
-first start gets empty compile and kernel caches (a cold start; the model file
-is fetched beforehand and timed apart), the restarts reuse them. After the
+first start gets empty compile, kernel and layout caches (a cold start; the
+model file is fetched beforehand and timed apart), the restarts reuse them. After the
 last start, the 8 questions of bench/default_model.py are asked one at a time
 (greedy, 64 tokens, the chat template applied by the server; as plain text
 for a model without one); time to first
@@ -120,7 +120,8 @@ def main() -> None:
     print(f"model ready in {time.perf_counter() - fetch:.1f}s (download and checksum, apart)")
     work = Path(tempfile.mkdtemp(prefix="esurge-first-contact-"))
     env = {**os.environ, "ESURGE_COMPILE_CACHE": str(work / "xla"),
-           "ESURGE_KERNEL_CACHE": str(work / "kernels"), "JAX_PLATFORMS": "cpu"}
+           "ESURGE_KERNEL_CACHE": str(work / "kernels"),
+           "ESURGE_LAYOUT_CACHE": str(work / "layouts"), "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     starts = []
     for i in range(1 + args.restarts):

@@ -5,11 +5,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_LAYOUTS = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The serving layouts the tests' loads store (esurge.models.layout_cache)
+    # go to a directory of this run's own, removed at its end: a test run
+    # neither fills nor evicts the user's cache. Servers the tests start inherit it.
+    if "ESURGE_LAYOUT_CACHE" not in os.environ:
+        config.stash[_LAYOUTS] = tempfile.mkdtemp(prefix="esurge-test-layouts-")
+        os.environ["ESURGE_LAYOUT_CACHE"] = config.stash[_LAYOUTS]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _LAYOUTS in config.stash:
+        from esurge.models.layout_cache import wait_for_writes
+
+        wait_for_writes()
+        shutil.rmtree(config.stash[_LAYOUTS], ignore_errors=True)
+
 
 # The tensor-parallel tests need 8 (simulated) devices, a count fixed when the
 # backend starts: `make test` runs them in a process of their own with

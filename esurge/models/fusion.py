@@ -32,8 +32,8 @@ from esurge.models.decoder_config import DecoderConfig
 from esurge.models.forward import ModelState, Params
 from esurge.models.packed_linear import pack_gate_up, pack_weight
 
-__all__ = ["fuse_layer", "fuse_projections", "pack_layer", "pack_lm_head", "pack_per_shard",
-           "pack_projections", "packed_config", "state_for"]
+__all__ = ["coded_config", "fuse_layer", "fuse_projections", "pack_layer", "pack_lm_head",
+           "pack_per_shard", "pack_projections", "packed_config", "state_for"]
 
 
 def _by_shard(arrays: list[jax.Array], shards: int) -> jax.Array:
@@ -168,6 +168,15 @@ def packed_config(config: DecoderConfig, dual: bool,
                                packed_tied_head=tied_head)
 
 
+def coded_config(packed: DecoderConfig, coded_weights: tuple[tuple[str, int], ...]
+                 ) -> DecoderConfig:
+    """The packed config with these roles served from a checkpoint's codes (a
+    tied head then gets no panels of its own: the coded head serves it)."""
+    if not coded_weights:
+        return packed
+    return dataclasses.replace(packed, coded_weights=coded_weights, packed_tied_head=False)
+
+
 def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
                      dual: bool = False, coded: CodedPanels | None = None
                      ) -> tuple[DecoderConfig, ModelState]:
@@ -179,9 +188,8 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
     if config.packed_weights:
         return config, state
     packed = packed_config(config, dual, dtype)
-    if coded is not None and coded.bits:
-        packed = dataclasses.replace(packed, coded_weights=coded.coded_weights,
-                                     packed_tied_head=False)
+    if coded is not None:
+        packed = coded_config(packed, coded.coded_weights)
     model = dict(state.params["model"])
     model["layers"] = {i: pack_layer(packed, layer, coded.layers[int(i)] if coded else None)
                        for i, layer in model["layers"].items()}

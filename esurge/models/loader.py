@@ -8,6 +8,8 @@ and GGUF are read (no pickled `.bin`), and no remote code is ever trusted.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import resource
 import time
@@ -29,7 +31,8 @@ from esurge.models.decoder import CausalLM
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
-from esurge.models.fusion import fuse_projections, pack_projections
+from esurge.models.fusion import coded_config, fuse_projections, pack_projections, packed_config
+from esurge.models.layout_cache import LayoutCache, LayoutInputs
 from esurge.models.registry import architecture_of, policy_for
 from esurge.models.slice_load import load_onto_mesh
 from esurge.models.tensor_parallel import make_mesh
@@ -94,6 +97,80 @@ def _read_params(abstract: Params, source: CheckpointSource, dtype: jnp.dtype) -
         return jax.tree_util.tree_map_with_path(load, abstract)
     finally:
         source.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The single-device serving layout asked for."""
+
+    dtype: str
+    jdtype: jnp.dtype
+    fuse: bool
+    packed: bool
+    dual: bool
+
+    def config(self, config: DecoderConfig, coded_weights: tuple[tuple[str, int], ...]
+               ) -> DecoderConfig:
+        """The serving config the layout builds from a checkpoint's config."""
+        if self.fuse:
+            config = dataclasses.replace(config, fused_projections=True)
+        if self.packed:
+            config = coded_config(packed_config(config, self.dual, self.jdtype), coded_weights)
+        return config
+
+    def key(self, model_path: Path) -> LayoutInputs:
+        """What the layout of this checkpoint depends on (the layout cache's key)."""
+        cpu = (("avx512", cpu_has_avx512()), ("amx", cpu_has_amx()),
+               ("float32 kernels", kernels_serve(jnp.float32)),
+               ("bfloat16 kernels", kernels_serve(jnp.bfloat16)))
+        return LayoutInputs(model_path, self.dtype, self.fuse, self.packed, self.dual, cpu)
+
+
+def _build_state(source: CheckpointSource, config: DecoderConfig, layout: _Layout
+                 ) -> tuple[DecoderConfig, ModelState]:
+    """Read the checkpoint, then fuse and pack as the layout asks."""
+    graphdef, abstract_params = nnx.split(
+        nnx.eval_shape(lambda: CausalLM(config, dtype=layout.jdtype)))
+    coded = _coded_panels(source, config) if layout.packed else None
+    params = _read_params(nnx.to_pure_dict(abstract_params), source, layout.jdtype)
+    state = ModelState(graphdef=graphdef, params=params)
+    if layout.fuse:
+        config, state = fuse_projections(config, state, layout.jdtype)
+    if layout.packed:
+        config, state = pack_projections(config, state, layout.jdtype, dual=layout.dual,
+                                         coded=coded)
+    return config, state
+
+
+def _single_device_state(source: CheckpointSource, config: DecoderConfig, layout: _Layout
+                         ) -> tuple[DecoderConfig, ModelState]:
+    """The serving config and state: from the layout cache (esurge.models.layout_cache)
+    when it holds this checkpoint's layout, else built and stored there."""
+    cache = LayoutCache.from_env() if layout.fuse else None
+    if cache is None:
+        return _build_state(source, config, layout)
+    digest = layout.key(source.path).digest()
+    found: list[tuple[DecoderConfig, nnx.GraphDef[CausalLM]]] = []
+
+    def abstract_for(metadata: dict[str, str]) -> dict[str, Any]:
+        coded = tuple((str(role), int(bits))
+                      for role, bits in json.loads(metadata.get("coded_weights", "[]")))
+        serving = layout.config(config, coded)
+        graphdef, abstract = nnx.split(
+            nnx.eval_shape(lambda: CausalLM(serving, dtype=layout.jdtype)))
+        found.append((serving, graphdef))
+        return nnx.to_pure_dict(abstract)
+
+    params = cache.read(digest, abstract_for)
+    if params is not None:
+        source.close()
+        serving, graphdef = found[-1]
+        log.info("serving layout read from the layout cache (%s)", cache.directory)
+        return serving, ModelState(graphdef=graphdef, params=params)
+    config, state = _build_state(source, config, layout)
+    cache.write_in_background(digest, state.params,
+                              {"coded_weights": json.dumps(config.coded_weights)})
+    return config, state
 
 
 def _coded_panels(source: CheckpointSource, config: DecoderConfig) -> CodedPanels:
@@ -170,25 +247,19 @@ def load_model(model_path: str | Path, dtype: str = "auto", *,
     architecture = architecture_of(hf_config)
     config = decoder_config_from_hf(hf_config, policy_for(architecture))
     jdtype = LOAD_DTYPES[dtype]
-    abstract = nnx.eval_shape(lambda: CausalLM(config, dtype=jdtype))
-    graphdef, abstract_params = nnx.split(abstract)
     packed = fuse and (kernels_serve(jdtype) if pack is None else pack)
     # Without AVX-512 the panels serve small buckets only (packed_linear.py).
     dual = not cpu_has_avx512()
     if mesh is not None:
         try:
-            config, state = load_onto_mesh(nnx.to_pure_dict(abstract_params), source, config,
+            abstract = nnx.split(nnx.eval_shape(lambda: CausalLM(config, dtype=jdtype)))[1]
+            config, state = load_onto_mesh(nnx.to_pure_dict(abstract), source, config,
                                            jdtype, mesh, fuse, packed, dual)
         finally:
             source.close()
     else:
-        coded = _coded_panels(source, config) if packed else None
-        params = _read_params(nnx.to_pure_dict(abstract_params), source, jdtype)
-        state = ModelState(graphdef=graphdef, params=params)
-        if fuse:
-            config, state = fuse_projections(config, state, jdtype)
-        if packed:
-            config, state = pack_projections(config, state, jdtype, dual=dual, coded=coded)
+        layout = _Layout(dtype, jdtype, fuse, packed, dual)
+        config, state = _single_device_state(source, config, layout)
     hf_tokenizer = source.tokenizer()
     jax.block_until_ready(state.params)
     log.info("loaded %s (%s, %s) in %.1fs; peak host memory %.0f MiB", source.path,

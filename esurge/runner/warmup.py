@@ -50,16 +50,23 @@ def warmup_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Program]:
 def warm_up(runner: eSurgeRunner, progress: Callable[[int, int, str], None] | None,
             shapes: list[tuple[int, int]] | None = None,
             variants: list[SamplerVariant] | None = None) -> float:
-    """Run every program once; returns the seconds it took."""
+    """Run every program once; returns the seconds it took.
+
+    Programs are dispatched without waiting for each to finish: while one
+    runs on the device, the next is traced and compiled on the host (its
+    inputs are the earlier programs' outputs, so the order holds).
+    """
     start = time.perf_counter()
     plan = WarmupPlan(runner.buckets.shapes() if shapes is None else shapes,
                       runner.sampler_variants() if variants is None else variants)
     programs = warmup_programs(runner, plan)
+    outputs = []
     for done, program in enumerate(programs, 1):
-        jax.block_until_ready(program.run())
+        outputs.append(program.run())
         if progress is not None:
             progress(done, len(programs), program.label)
         log.debug("warm-up %d/%d %s", done, len(programs), program.label)
+    jax.block_until_ready(outputs)
     seconds = time.perf_counter() - start
     log.info("warm-up compiled %d programs in %.1fs (%s)", len(programs), seconds,
              ", ".join(kind.name for kind in runner.step_kinds))
