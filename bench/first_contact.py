@@ -41,16 +41,16 @@ def serve_flags() -> list[str]:
     return done.stdout.split()
 
 
-def start_server(model: str, port: int, env: dict[str, str], log: Path, extra: list[str]
-                 ) -> tuple[subprocess.Popen[bytes], float]:
-    """A server process and its seconds from launch to SERVING."""
+def start_server(model: str, port: int, env: dict[str, str], log: Path, extra: list[str],
+                 root: Path = ROOT) -> tuple[subprocess.Popen[bytes], float]:
+    """A server process (the checkout at root's) and its seconds from launch to SERVING."""
     from service.client import EngineClient
 
     start = time.perf_counter()
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "service", "--model", model, "--port",
-                                 str(port), *serve_flags(), *extra], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                 str(port), *serve_flags(), *extra], cwd=root, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
     with EngineClient(f"127.0.0.1:{port}") as client:
         while time.perf_counter() - start < 600:
             if proc.poll() is not None:
