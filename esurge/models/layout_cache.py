@@ -36,15 +36,18 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-__all__ = ["DEFAULT_LAYOUT_CACHE", "MAX_ENTRIES", "LayoutCache", "LayoutInputs",
+__all__ = ["DEFAULT_LAYOUT_CACHE", "MAX_BYTES", "MAX_ENTRIES", "LayoutCache", "LayoutInputs",
            "wait_for_writes"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LAYOUT_CACHE = Path.home() / ".cache" / "esurge" / "layouts"
-# A layout is about as large as the float32 model (650 MB for the default
-# model on AVX2), so only the few most recently used are kept.
+# A layout is about as large as the float32 model, twice that where plain
+# weights are kept beside the panels (650 MB for the default model on AVX2),
+# so only the few most recently used are kept, within a total size, and a
+# layout larger than that total is not stored at all.
 MAX_ENTRIES = 3
+MAX_BYTES = 8 << 30
 _FORMAT = 1
 _SUFFIX = ".safetensors"
 # A temporary file this old is left from a write that never finished.
@@ -95,9 +98,11 @@ def _name(path: tuple[Any, ...]) -> str:
 class LayoutCache:
     """One directory of stored layouts."""
 
-    def __init__(self, directory: Path, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, directory: Path, max_entries: int = MAX_ENTRIES,
+                 max_bytes: int = MAX_BYTES) -> None:
         self.directory = directory
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
 
     @classmethod
     def from_env(cls) -> LayoutCache | None:
@@ -150,10 +155,15 @@ class LayoutCache:
 
     def write(self, digest: str, params: Mapping[str, Any], metadata: dict[str, str]) -> None:
         """Store params under digest (atomically), then drop the least recently used."""
+        flat = {_name(path): leaf
+                for path, leaf in jax.tree_util.tree_leaves_with_path(dict(params))}
+        size = sum(leaf.nbytes for leaf in flat.values())
+        if size > self.max_bytes:
+            log.info("serving layout not cached: %.1f GiB is more than the cache's %.1f GiB",
+                     size / 2**30, self.max_bytes / 2**30)
+            return
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            flat = {_name(path): leaf
-                    for path, leaf in jax.tree_util.tree_leaves_with_path(dict(params))}
             fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self.directory)
             os.close(fd)
             try:
@@ -169,8 +179,13 @@ class LayoutCache:
         # Another process may be evicting too: a file gone meanwhile is no error.
         entries = sorted(self.directory.glob(f"*{_SUFFIX}"), key=_mtime, reverse=True)
         stale = time.time() - _STALE_TEMP_SECONDS
-        temps = [t for t in self.directory.glob("*.tmp") if _mtime(t) < stale]
-        for old in entries[self.max_entries:] + temps:
+        drop = [t for t in self.directory.glob("*.tmp") if _mtime(t) < stale]
+        total = 0
+        for i, entry in enumerate(entries):
+            total += _size(entry)
+            if i >= self.max_entries or total > self.max_bytes:
+                drop.append(entry)
+        for old in drop:
             _remove(old)
 
 
@@ -179,6 +194,13 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _remove(path: Path) -> None:

@@ -155,3 +155,18 @@ def test_only_the_most_recently_used_entries_are_kept(tmp_path: Path) -> None:
     assert cache.read("a", lambda metadata: abstract) is not None  # "a" used last now
     cache.write("c", {"w": jax.numpy.ones(4, dtype=jax.numpy.float32)}, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors", "c.safetensors"]
+
+
+def test_entries_stay_within_the_size_limit(tmp_path: Path) -> None:
+    """Stored layouts stay within max_bytes (oldest dropped first); one larger
+    than the limit by itself is not stored."""
+    cache = LayoutCache(tmp_path, max_entries=10, max_bytes=3 * 4096 + 2048)
+    for i, digest in enumerate("abcd"):  # about 4 KiB each with the header
+        cache.write(digest, {"w": jax.numpy.zeros(1000, dtype=jax.numpy.float32)}, {})
+        os.utime(tmp_path / f"{digest}.safetensors", (1_000 + i, 1_000 + i))
+    cache.write("e", {"w": jax.numpy.zeros(1000, dtype=jax.numpy.float32)}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.safetensors", "d.safetensors", "e.safetensors"]
+    cache.write("big", {"w": jax.numpy.zeros(4000, dtype=jax.numpy.float32)}, {})
+    assert not (tmp_path / "big.safetensors").exists()
+
