@@ -168,6 +168,8 @@ class LayoutCache:
             os.close(fd)
             try:
                 save_file(flat, tmp, metadata=metadata)
+                # mkstemp's 0600 would lock other users out of a shared cache directory.
+                os.chmod(tmp, 0o644)
                 os.replace(tmp, self._entry(digest))
             finally:
                 Path(tmp).unlink(missing_ok=True)

@@ -66,6 +66,7 @@ def test_a_second_load_serves_the_layout_the_first_stored(
     path = _checkpoint(kind, tmp_path)
     first, read = _load(path, caplog)
     assert not read and len(_entries(layouts)) == 1
+    assert _entries(layouts)[0].stat().st_mode & 0o777 == 0o644  # readable by other users
     second, read = _load(path, caplog)
     assert read
     _assert_same(first, second)
