@@ -4,7 +4,8 @@ Building a checkpoint's single-device serving layout (reading the tensors,
 dequantizing a GGUF's blocks, fusing projections, packing panels) takes most
 of a model load: 5-6 s for the default model on a 2-core CPU, at every start.
 The result depends only on the checkpoint's files, the serving dtype, the
-CPU paths the layout is made for and the code that builds it, so it is
+CPU paths the layout is made for, the code that builds it and the versions
+of the libraries it uses (jax, numpy, gguf's dequantizers), so it is
 stored once as a safetensors file named by a digest of all of those, and
 read back (about 0.6 s for that model) by the next start with the same
 digest. An entry whose inputs changed has another name and is never read; an
@@ -28,11 +29,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
@@ -75,7 +76,8 @@ class LayoutInputs:
         h = hashlib.sha256()
         h.update(json.dumps({"format": _FORMAT, "dtype": self.dtype, "fuse": self.fuse,
                              "packed": self.packed, "dual": self.dual, "cpu": self.cpu,
-                             "jax": jax.__version__, "numpy": np.__version__,
+                             # gguf's dequantizers make a GGUF's float weights.
+                             "versions": [version(p) for p in ("jax", "numpy", "gguf")],
                              "files": _file_stamps(self.model_path)}).encode())
         for source in sorted(_CODE_ROOT.rglob("*")):
             if source.suffix in (".py", ".cc", ".h"):

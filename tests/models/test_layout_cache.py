@@ -109,6 +109,22 @@ def test_another_cpu_path_has_its_own_entry(layouts: Path, tmp_path: Path,
     assert len(_entries(layouts)) == 2
 
 
+def test_another_gguf_version_has_its_own_entry(layouts: Path, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """gguf's dequantizers make a GGUF's float weights: a new gguf must not
+    be served what an old one dequantized."""
+    import esurge.models.layout_cache as layout_cache
+
+    path = _checkpoint("gguf", tmp_path)
+    _load(path, caplog)
+    real = layout_cache.version
+    monkeypatch.setattr(layout_cache, "version",
+                        lambda name: "999.0" if name == "gguf" else real(name))
+    _, read = _load(path, caplog)
+    assert not read and len(_entries(layouts)) == 2
+
+
 @pytest.mark.parametrize("damage", ["truncated", "another tree"])
 def test_an_unusable_entry_is_rebuilt(damage: str, layouts: Path, tmp_path: Path,
                                       caplog: pytest.LogCaptureFixture) -> None:
