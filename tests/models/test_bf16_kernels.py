@@ -31,6 +31,7 @@ from tests.models.conftest import FAMILIES
 from tests.models.paged import PagedSession, Row, greedy_generate
 from tests.models.test_paged_attention import (
     DIM,
+    HEADS,
     KV_HEADS,
     build_case,
     dense_reference,
@@ -221,3 +222,42 @@ def test_auto_dtype_without_native_bfloat16_is_float32(
     loaded = load_model(bf16_checkpoints("llama"), fuse=False)
     assert loaded.dtype == "float32"
     assert loaded.dtype_reason.startswith("bfloat16 checkpoint upcast")
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+def test_decode_rows_of_many_requests_over_a_bfloat16_cache() -> None:
+    """40 one-row requests: enough query blocks that the kernel takes every kv
+    head of a block in one pass (read in cache order), not one head at a time."""
+    rng = np.random.default_rng(9)
+    rows, page, max_pages = 40, 4, 6
+    num_pages = rows * max_pages + 1
+    lengths = rng.integers(1, page * max_pages + 1, rows)
+    tables = (1 + rng.permutation(num_pages - 1)[:rows * max_pages]).reshape(rows, max_pages)
+    keys = rng.standard_normal((rows, page * max_pages, KV_HEADS, DIM)).astype(np.float32)
+    values = rng.standard_normal((rows, page * max_pages, KV_HEADS, DIM)).astype(np.float32)
+    k_cache = np.full((num_pages, page, KV_HEADS, DIM), 7.0, np.float32)
+    v_cache = np.full((num_pages, page, KV_HEADS, DIM), -7.0, np.float32)
+    for r in range(rows):
+        pos = np.arange(lengths[r] - 1)  # the last position is this step's new key
+        k_cache[tables[r][pos // page], pos % page] = keys[r, pos]
+        v_cache[tables[r][pos // page], pos % page] = values[r, pos]
+    positions = (lengths - 1).astype(np.int32)
+    slots = (tables[np.arange(rows), positions // page] * page + positions % page).astype(np.int32)
+    q = rng.standard_normal((rows, HEADS, DIM)).astype(np.float32)
+    new_k, new_v = keys[np.arange(rows), positions], values[np.arange(rows), positions]
+    out, _, _ = cpu_kernels.paged_attention_kernel(
+        jnp.asarray(q), jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(slots),
+        jnp.asarray(k_cache, jnp.bfloat16), jnp.asarray(v_cache, jnp.bfloat16),
+        jnp.asarray(positions), jnp.arange(rows, dtype=jnp.int32),
+        jnp.asarray(tables, jnp.int32), jnp.int32(rows), scale=DIM ** -0.5,
+        sliding_window=None, chunk_size=None, softcap=None)
+
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return np.asarray(jnp.asarray(a).astype(jnp.bfloat16).astype(jnp.float32))
+
+    for r in range(rows):
+        n = int(lengths[r])
+        want = dense_reference(q[r], rounded(keys[r, :n]), rounded(values[r, :n]), n - 1,
+                               None, None, None)
+        np.testing.assert_allclose(np.asarray(out)[r], want, atol=2e-5, err_msg=f"row {r}")

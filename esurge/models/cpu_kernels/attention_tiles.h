@@ -152,7 +152,7 @@ inline __attribute__((always_inline)) float SoftmaxBlock(
 
 struct Scratch {
   std::vector<float> kt;   // [D, kKeyBlock] the key block, transposed
-  std::vector<float> kf, vf;  // [kKeyBlock, D] a bfloat16 block's keys and values widened
+  std::vector<float> kf, vf;  // [kv heads, kKeyBlock, D] a bfloat16 block's keys and values widened
   std::vector<float> acc;  // [kv heads, padded lanes, D]
   std::vector<float> m, l; // [kv heads, padded lanes] running max and denominator
   std::vector<float> qs;   // [kv heads, padded lanes, D] staged queries
