@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from esurge import EngineSettings, ParallelConfig, eSurge
+from esurge import CompletionOutput, EngineSettings, ParallelConfig, SamplingParams, eSurge
 from esurge.errors import InvalidConfigError
 from esurge.models.cpu_kernels import cpu_has_bf16_dot
 from esurge.models.loader import load_model
@@ -133,6 +133,12 @@ def test_a_gguf_checkpoint(tmp_path: Path, checkpoint: Callable[..., Path],
     assert_same_run(tp_run(gguf_path, 2), reference("llama"))
 
 
+# Row-parallel shards round their bfloat16 partial sums before adding them, so a
+# split run may take the other token where one device's top two log-probabilities
+# are this close (a near-tie); anywhere else the tokens must be the same.
+BF16_TIE = 0.1
+
+
 @pytest.mark.skipif(not cpu_has_bf16_dot(), reason="bfloat16 panels need AVX512_BF16 (XLA's "
                     "bfloat16 path sums shards in another order: not this test's subject)")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: qkv bias, a tied head
@@ -140,10 +146,18 @@ def test_bfloat16_panels_split_over_devices_keep_the_tokens(
         family: str, checkpoint: Callable[..., Path]) -> None:
     # bfloat16 panels pair their input rows; shards must cut between pairs.
     prompts = mixed_prompts(4, vocab=250)
-    runs: dict[int, list[list[int]]] = {}
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                            logprobs=2)
+    runs: dict[int, list[CompletionOutput]] = {}
     for tp in (1, 2):
         with eSurge(checkpoint(family), engine_config(), warmup=False, show_progress=False,
                     dtype="bfloat16", parallel_config=ParallelConfig(tp)) as llm:
-            runs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+            runs[tp] = [o.outputs[0] for o in llm.generate(prompts, params)]
             assert llm.model.dtype == "bfloat16" and llm.model.config.packed_weights
-    assert runs[2] == runs[1]
+    for one, split in zip(runs[1], runs[2], strict=True):
+        same = 0
+        while same < len(one.token_ids) and one.token_ids[same] == split.token_ids[same]:
+            same += 1
+        if same < len(one.token_ids):
+            top, second = one.logprobs[same].logprobs[1:3]  # the one device's best two
+            assert top - second <= BF16_TIE, (family, same, top, second)
