@@ -101,7 +101,9 @@ def over_local_panels(call: MatmulCall, split: Split) -> MatmulCall | None:
                              out_specs=PartitionSpec(None, TP_AXIS), check_vma=False)
 
     def summed(x: jax.Array, panels: jax.Array, rows: jax.Array) -> jax.Array:
-        return jax.lax.psum(call(x, panels, rows), TP_AXIS)
+        # The partials come back in float32 where the kernel can keep them so
+        # (bfloat16 x): added there, rounded once, as one device rounds.
+        return jax.lax.psum(call(x, panels, rows), TP_AXIS).astype(x.dtype)
 
     return jax.shard_map(summed, mesh=mesh,
                          in_specs=(PartitionSpec(None, TP_AXIS),

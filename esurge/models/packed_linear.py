@@ -119,8 +119,10 @@ def packed_matmul(
     if _kernel_takes(x, packed):
         rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
         local = out_features // shards if per_shard else out_features
+        # A row-parallel shard's partial sum stays float32 until the shards are added.
         sharded = over_local_panels(
-            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n), split)
+            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n,
+                                                   float32_out=split is Split.ROW), split)
         if sharded is not None:
             return sharded(x, packed, rows)
         if per_shard:  # no mesh: the whole weight, each shard's padding dropped

@@ -83,6 +83,28 @@ def test_matmul_is_the_float32_product_rounded_once(m: int, rows: int, k: int, n
 
 @native
 @pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize(("m", "rows", "k", "n"), [SHAPES[0], SHAPES[2], SHAPES[4]])
+def test_float32_results_are_the_sums_the_bfloat16_results_round(m: int, rows: int, k: int,
+                                                                  n: int) -> None:
+    # What a row-parallel shard returns: its partial sum, not yet rounded.
+    rng = np.random.default_rng(3 * m + n)
+    x, w = _bf16(rng, m, k), _bf16(rng, k, n, scale=k ** -0.5)
+    want = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32))
+    noise = 1e-5 * float(np.abs(np.asarray(x, np.float32)).max()) * k ** 0.5
+    panels, num_rows = pack_weight(w), jnp.int32(rows)
+    wide = jax.jit(lambda a, b, r: cpu_kernels.packed_matmul_kernel(a, b, n, r,
+                                                                    float32_out=True))(
+        x, panels, num_rows)
+    rounded = jax.jit(lambda a, b, r: cpu_kernels.packed_matmul_kernel(a, b, n, r))(
+        x, panels, num_rows)
+    assert wide.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(wide[:rows]), want[:rows], rtol=1e-5, atol=noise)
+    np.testing.assert_array_equal(np.asarray(wide.astype(jnp.bfloat16)), np.asarray(rounded))
+    assert np.all(np.asarray(wide[rows:]) == 0)  # padding rows: zeros
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
 @pytest.mark.parametrize(("m", "rows", "k", "n"), SHAPES)
 def test_gated_matmul_applies_silu_to_the_float32_accumulators(m: int, rows: int, k: int,
                                                                n: int) -> None:

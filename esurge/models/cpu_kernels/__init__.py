@@ -42,6 +42,7 @@ import numpy as np
 
 __all__ = [
     "BF16_CACHE_TARGET",
+    "BF16_F32_TARGET",
     "BF16_TARGET",
     "CODED_TARGET",
     "MATMUL_TARGET",
@@ -65,6 +66,7 @@ BF16_CACHE_TARGET = "esurge_paged_attention_bf16"
 MATMUL_TARGET = "esurge_packed_matmul"
 CODED_TARGET = "esurge_coded_matmul"
 BF16_TARGET = "esurge_bf16_matmul"
+BF16_F32_TARGET = "esurge_bf16_matmul_f32"  # float32 results: row-parallel partial sums
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc",
@@ -183,6 +185,8 @@ def _load() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.EsurgeBf16Matmul),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(BF16_F32_TARGET,
+                                    jax.ffi.pycapsule(lib.EsurgeBf16MatmulF32), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("CPU kernels unavailable (%s); using the pure-JAX paths",
@@ -260,11 +264,18 @@ def packed_matmul_kernel(
     out_features: int,  # N, (P - 1) * PANEL < N <= P * PANEL
     num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
     silu_mul: bool = False,  # w interleaves gate/up half-panels; y = silu(gate) * up
-) -> jax.Array:  # [M, N] x's dtype
+    float32_out: bool = False,  # bfloat16 x: return the float32 sums unrounded
+) -> jax.Array:  # [M, N] x's dtype, or float32
     """x @ W with W packed in column panels: packed_matmul.cc in float32,
-    bf16_matmul.cc in bfloat16 (float32 accumulation, one rounding)."""
-    target = MATMUL_TARGET if x.dtype == jnp.float32 else BF16_TARGET
-    out = jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype)
+    bf16_matmul.cc in bfloat16 (float32 accumulation, one rounding, or none
+    with float32_out: a row-parallel shard's partial sum is rounded once,
+    after the shards are added)."""
+    if x.dtype == jnp.float32:
+        target, dtype = MATMUL_TARGET, x.dtype
+    else:
+        target = BF16_F32_TARGET if float32_out else BF16_TARGET
+        dtype = jnp.dtype(jnp.float32) if float32_out else x.dtype
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), dtype)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     return jax.ffi.ffi_call(target, out)(x, w, rows, silu_mul=silu_mul)
 

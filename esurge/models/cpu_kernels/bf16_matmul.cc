@@ -59,7 +59,8 @@ constexpr int kPrefetchPairs = 8;
 struct Problem {
   const uint16_t* x;  // [M, K]
   const uint16_t* w;  // [P, K / 2, 64]
-  uint16_t* y;        // [M, N]
+  uint16_t* y;        // [M, N] bfloat16 results, or null when y32 takes them
+  float* y32;         // [M, N] float32 results (a row-parallel shard's partial sum)
   int64_t padded_m;   // M: the rows x has (reads never pass them)
   int64_t m, k, n;    // m: the real rows
   bool silu_mul;
@@ -77,6 +78,15 @@ inline void StoreBf16(const float* in, uint16_t* out, int64_t width) {
   std::memcpy(out, lanes, sizeof(uint16_t) * width);
 }
 
+// Up to 16 results at y[at:], in the output's dtype.
+inline void StoreAt(const Problem& pb, int64_t at, const float* in, int64_t width) {
+  if (pb.y32 != nullptr) {
+    std::memcpy(pb.y32 + at, in, sizeof(float) * width);
+  } else {
+    StoreBf16(in, pb.y + at, width);
+  }
+}
+
 // One row of a panel's results (gate then up halves with silu_mul) into y.
 inline void StoreRow(const Problem& pb, int64_t row, int64_t p, const float* first,
                      const float* second) {
@@ -89,13 +99,12 @@ inline void StoreRow(const Problem& pb, int64_t row, int64_t p, const float* fir
       const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
       act[j] = g * sigmoid * second[j];
     }
-    StoreBf16(act, pb.y + row * pb.n + col, std::min<int64_t>(kHalf, pb.n - col));
+    StoreAt(pb, row * pb.n + col, act, std::min<int64_t>(kHalf, pb.n - col));
     return;
   }
-  const int64_t col = p * kPanel;
-  uint16_t* out = pb.y + row * pb.n + col;
-  StoreBf16(first, out, std::clamp<int64_t>(pb.n - col, 0, kHalf));
-  if (pb.n - col > kHalf) StoreBf16(second, out + kHalf, std::min<int64_t>(kHalf, pb.n - col - kHalf));
+  const int64_t col = p * kPanel, at = row * pb.n + col;
+  StoreAt(pb, at, first, std::clamp<int64_t>(pb.n - col, 0, kHalf));
+  if (pb.n - col > kHalf) StoreAt(pb, at + kHalf, second, std::min<int64_t>(kHalf, pb.n - col - kHalf));
 }
 
 // MR rows x one panel with VDPBF16PS: per input pair, the panel's two vectors
@@ -264,12 +273,12 @@ void AmxItems(const Problem&, int64_t, int64_t, int64_t) {}
 
 #endif  // ESURGE_HAVE_AMX
 
-ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> num_rows,
-                          ffi::ResultBuffer<ffi::BF16> y, bool silu_mul) {
+// y = x @ w into a bfloat16 (y16) or float32 (y32) result of dimensions yd.
+ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                      ffi::Buffer<ffi::S32> num_rows, ffi::Span<const int64_t> yd,
+                      uint16_t* y16, float* y32, bool silu_mul) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  const auto yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
     return ffi::Error::InvalidArgument("bf16 matmul: expected x [M, K], w [P, K, 32], y [M, N]");
   }
@@ -279,9 +288,14 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
     return ffi::Error::InvalidArgument("bf16 matmul: shapes do not match");
   }
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  const Problem pb{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], rows, xd[1], yd[1],
+  const Problem pb{x.typed_data(), w.typed_data(), y16, y32, xd[0], rows, xd[1], yd[1],
                    silu_mul};
-  std::memset(pb.y + rows * pb.n, 0, sizeof(uint16_t) * (xd[0] - rows) * pb.n);
+  const int64_t padding = (xd[0] - rows) * pb.n;
+  if (y32 != nullptr) {
+    std::memset(y32 + rows * pb.n, 0, sizeof(float) * padding);
+  } else {
+    std::memset(y16 + rows * pb.n, 0, sizeof(uint16_t) * padding);
+  }
   const int64_t num_panels = wd[0];
   const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
   const bool amx = UseAmx(pb);
@@ -296,10 +310,27 @@ ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   return ffi::Error::Success();
 }
 
+ffi::Error Bf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> num_rows,
+                          ffi::ResultBuffer<ffi::BF16> y, bool silu_mul) {
+  return Bf16Matmul(pool, x, w, num_rows, y->dimensions(), y->typed_data(), nullptr, silu_mul);
+}
+
+ffi::Error Bf16MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                             ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::S32> num_rows,
+                             ffi::ResultBuffer<ffi::F32> y, bool silu_mul) {
+  return Bf16Matmul(pool, x, w, num_rows, y->dimensions(), nullptr, y->typed_data(), silu_mul);
+}
+
 #else  // no AVX512_BF16 in this build
 
 ffi::Error Bf16MatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
                           ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::BF16>, bool) {
+  return ffi::Error::Internal("bf16 matmul: this build has no AVX512_BF16");
+}
+
+ffi::Error Bf16MatmulF32Impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>,
+                             ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>, bool) {
   return ffi::Error::Internal("bf16 matmul: this build has no AVX512_BF16");
 }
 
@@ -314,4 +345,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeBf16Matmul, Bf16MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed in pairs
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
+                                  .Attr<bool>("silu_mul"));
+
+// The same product with float32 results: the partial sum of a row-parallel
+// shard, added to the other shards' before the one rounding to bfloat16.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeBf16MatmulF32, Bf16MatmulF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // w, packed in pairs
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<bool>("silu_mul"));
