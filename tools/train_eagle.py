@@ -66,6 +66,7 @@ from esurge.spec_decode.config import EagleConfig, EagleLayout  # noqa: E402
 from esurge.spec_decode.head import EagleState, init_head  # noqa: E402
 from tools.eagle_chat import Batch, chat_batches, chat_data, evaluate_chat  # noqa: E402
 from tools.eagle_data import PAGE_SIZE, TargetFeatures, draft_vocabulary  # noqa: E402
+from tools.eagle_output_init import freeze_output, target_output_params  # noqa: E402
 from tools.eagle_training import LossWeights, make_train_step, sparse_labels  # noqa: E402
 from tools.lm_data import read_texts, split_files, token_stream  # noqa: E402
 from tools.tokenizer_training import stdlib_files  # noqa: E402
@@ -104,6 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="--chat: keep the answers and the target's features in this .npz "
                         "file; reuse them when it exists (same target and --draft-vocab), "
                         "extended when it holds fewer than --distill-prompts chats")
+    p.add_argument("--output-init", choices=("random", "target"), default="random",
+                   help="EAGLE-3: start the head's final norm and LM head at random, or "
+                        "from the target's final norm and LM head rows "
+                        "(tools/eagle_output_init.py)")
+    p.add_argument("--freeze-output", action="store_true",
+                   help="with --output-init target: keep the output layer as initialised")
     p.add_argument("--eval-prompts", type=int, default=0)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -126,6 +133,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     "carry no final hidden state for EAGLE-1's regression")
     elif args.data_cache is not None:
         p.error("--data-cache keeps --chat training data: it needs --chat")
+    if args.output_init == "target" and args.layout != EagleLayout.EAGLE3.value:
+        p.error("--output-init target needs --layout eagle3 (EAGLE-1 uses the target's "
+                "LM head itself)")
+    if args.freeze_output and args.output_init != "target":
+        p.error("--freeze-output keeps the output layer the target gave: it needs "
+                "--output-init target")
     return args
 
 
@@ -234,12 +247,16 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
                else np.zeros(config.draft_vocab_size, np.int64))
         batches = _text_batches(args, target, config, stream, d2t, rng)
     head = init_head(config, seed=args.seed, d2t=jnp.asarray(d2t))
+    if args.output_init == "target":
+        head = head.replace_params(target_output_params(head.params, target, d2t))
     warmup = min(args.warmup, args.steps // 2)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps,
                                                   args.lr * 0.05)
     optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                             optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.01))
     params = head.params
+    if args.freeze_output:
+        optimizer = freeze_output(optimizer, params)
     opt_state = optimizer.init(params)
     step_fn = make_train_step(optimizer, args.unroll, LossWeights())
     began, history = time.monotonic(), []
