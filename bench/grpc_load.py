@@ -20,7 +20,9 @@ tokens per stream message (above 1 with decode bursts, --decode-steps, or
 when a stream fell behind and joins the steps it missed), and the clients'
 CPU per token, all from the best of --repeats runs; then the two ratios of
 each repeat (its in-process and gRPC runs back to back) as a median and
-range. The clients connect before the clock starts. The load-generating
+range. --rounds R sends R times as many requests per run, so that a run's
+start (requests arriving, prefills) and end (the last stragglers) weigh
+less in its rates. The clients connect before the clock starts. The load-generating
 clients run in this process, on the same cores: wall tokens/s is shared
 with them, server CPU per token is not.
 `bench/grpc_floor.py` measures grpcio's own cost per call and per message,
@@ -31,7 +33,7 @@ what a gateway that multiplexes requests pays, without a call per request.
 Both engines share a JAX compilation cache, so the server warms up quickly.
 
     .venv/bin/python bench/grpc_load.py [--clients 1,16,64] [--decode-steps K]
-        [--max-num-batched-tokens B] [--engine-streams S] [--keep DIR]
+        [--max-num-batched-tokens B] [--engine-streams S] [--rounds R] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -310,7 +312,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure(engine: object, target: str, server_pid: int, prompts: list[list[int]],
             counts: list[int], repeats: int, channels: int | None,
-            engine_streams: int | None = None
+            engine_streams: int | None = None, rounds: int = 1
             ) -> tuple[dict[int, Result], dict[int, Result], dict[int, list[Pair]]]:
     """Best of `repeats` runs per client count, local and gRPC runs interleaved so
     that load from other processes on the machine hits both alike (the gRPC side
@@ -322,7 +324,7 @@ def measure(engine: object, target: str, server_pid: int, prompts: list[list[int
     remote: dict[int, Result] = {}
     pairs: dict[int, list[Pair]] = {}
     for n in counts:
-        requests = [prompts[i % PROMPTS] for i in range(max(n, PROMPTS))]
+        requests = [prompts[i % PROMPTS] for i in range(rounds * max(n, PROMPTS))]
         for _ in range(repeats):
             lo = in_process(engine, requests, n)
             r = asyncio.run(
@@ -386,7 +388,13 @@ def main() -> None:
                              "Generate call per request")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per client count; the best is reported")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="each run sends W1 this many times over (rounds * max(N, 32) "
+                             "requests): longer runs, less of the start and end in the rates")
     args = parser.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        parser.error(f"--rounds and --repeats must be >= 1, got {args.rounds} and "
+                     f"{args.repeats}")
     counts = [int(c) for c in args.clients.split(",")]
     work_dir = Path(tempfile.mkdtemp(prefix="grpc_load_"))
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"),
@@ -409,7 +417,8 @@ def main() -> None:
         proc, target = start_server(model_dir, env, flags)
         try:
             local, remote, pairs = measure(engine, target, proc.pid, prompts, counts,
-                                           args.repeats, args.channels, args.engine_streams)
+                                           args.repeats, args.channels, args.engine_streams,
+                                           args.rounds)
         finally:
             proc.terminate()
             proc.wait(120)

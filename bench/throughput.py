@@ -176,7 +176,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default="tiny,150m")
     parser.add_argument("--sets", type=int, default=3, help="timed sets (after one warm-up)")
-    parser.add_argument("--hf-sets", type=int, default=1, help="timed sets for transformers")
+    parser.add_argument("--hf-sets", type=int, default=1,
+                        help="timed sets for transformers (0: skip transformers)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--sync", action="store_true", help="async scheduling off")
     parser.add_argument("--decode-steps", default="8",
@@ -184,6 +185,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32",
                         help="serving dtype; a comma list (float32,bfloat16) measures each")
     args = parser.parse_args()
+    if args.hf_sets < 0 or args.sets < 1:
+        parser.error(f"--sets must be >= 1 and --hf-sets >= 0, got {args.sets} and "
+                     f"{args.hf_sets}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="esurge-bench-"))
     for shape in args.models.split(","):
         model_dir = make_checkpoint(workdir / shape, shape)
@@ -191,14 +195,15 @@ def main() -> None:
         variants = [Variant(d, int(k)) for d in args.dtype.split(",")
                     for k in args.decode_steps.split(",")]
         results = engine_tokens_per_s(model_dir, sets, not args.sync, variants)
-        theirs, hf_runs = hf_tokens_per_s(model_dir, sets[:1 + args.hf_sets])
+        hf = hf_tokens_per_s(model_dir, sets[:1 + args.hf_sets]) if args.hf_sets else None
         first = variants[0]
         for v, (rate, runs, compile_s) in results.items():
             versus = "" if v == first else f", {rate / results[first][0]:.2f}x the first"
             print(f"[{shape}] eSurge ({v}) {rate:,.0f} tok/s (runs "
-                  f"{[round(r) for r in runs]}, warm-up+load {compile_s:.1f}s{versus}) | "
-                  f"transformers {theirs:,.0f} tok/s (runs {[round(r) for r in hf_runs]}) | "
-                  f"ratio {rate / theirs:.2f}x")
+                  f"{[round(r) for r in runs]}, warm-up+load {compile_s:.1f}s{versus})"
+                  + ("" if hf is None else
+                     f" | transformers {hf[0]:,.0f} tok/s (runs {[round(r) for r in hf[1]]}) "
+                     f"| ratio {rate / hf[0]:.2f}x"))
         ours = results[first][0]
         if shape == "150m":
             hidden, _, _, _, inter = MODEL_SHAPES[shape]
