@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from esurge.runner.sampling_filters import apply_filters
 from esurge.sampling_params import MAX_LOGPROBS
 from esurge.structured_output.device_mask import allowed_bits
 
@@ -119,23 +120,6 @@ def process(raw: jax.Array,  # [R, V] float32
         empty = jnp.all(processed == _NEG_INF, axis=-1, keepdims=True)
         processed = jnp.where(empty, raw, processed)
     return raw, processed
-
-
-def apply_filters(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """min-p, top-k and top-p.  logits: [R, V], already divided by temperature."""
-    vocab = logits.shape[-1]
-    probs = jax.nn.softmax(logits, axis=-1)
-    max_prob = probs.max(axis=-1, keepdims=True)
-    logits = jnp.where(probs < t.min_p[:, None] * max_prob, _NEG_INF, logits)
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    sorted_desc = jnp.where(ranks < t.top_k[:, None], sorted_desc, _NEG_INF)
-    sorted_probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = (mass_before < t.top_p[:, None]) & (sorted_desc > _NEG_INF)
-    num_keep = jnp.maximum(keep.sum(axis=-1), 1)
-    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
-    return jnp.where(logits < threshold, _NEG_INF, logits)
 
 
 def _mix(x: jax.Array) -> jax.Array:
