@@ -159,10 +159,10 @@ def sample_step(
 def prompt_logprobs_step(
     model_state: ModelState,
     hidden: jax.Array,  # [T, H] final hidden states of the step
-    rows: jax.Array,  # [T] int32: token rows to score
-    targets: jax.Array,  # [T] int32: the prompt token each row predicts
+    rows: jax.Array,  # [C] int32: token rows to score
+    targets: jax.Array,  # [C] int32: the prompt token each row predicts
     top_n: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Log-probabilities of prompt tokens: (ids [T, 1 + n], logprobs [T, 1 + n], ranks [T])."""
+    """Log-probabilities of prompt tokens: (ids [C, 1 + n], logprobs [C, 1 + n], ranks [C])."""
     return host_visible(token_logprobs(model_state.module().compute_logits(hidden[rows]),
                                        targets, top_n))

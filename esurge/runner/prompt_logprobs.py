@@ -19,7 +19,17 @@ from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import MAX_LOGPROBS
 from esurge.runner.step_inputs import StepInputs
 
-__all__ = ["PromptLogprobsComputer"]
+__all__ = ["PromptLogprobsComputer", "gather_rows"]
+
+# Rows scored per call: the LM head over a step's every row (8,192 of them at
+# SmolLM2's default budget, 49,152 logits each) took seconds, for rows that
+# were mostly padding, and so did each token bucket's warm-up run of it.
+ROWS_PER_CALL = 256
+
+
+def gather_rows(num_tokens: int) -> int:
+    """Rows one prompt-logprobs call scores in a step of num_tokens rows."""
+    return min(num_tokens, ROWS_PER_CALL)
 
 
 class PromptLogprobsComputer:
@@ -66,13 +76,17 @@ class PromptLogprobsComputer:
     def _gather(self, ib: InputBatch, inputs: StepInputs, hidden: jax.Array, rows: list[int],
                 targets: list[int], spans: list[tuple[str, int, int, bool]]
                 ) -> dict[str, list[TokenLogprobs | None]]:
-        size = int(hidden.shape[0])
-        row_arr = np.zeros(size, np.int32)
-        tgt_arr = np.zeros(size, np.int32)
+        size = gather_rows(int(hidden.shape[0]))
+        calls = -(-len(rows) // size)
+        row_arr = np.zeros(calls * size, np.int32)
+        tgt_arr = np.zeros(calls * size, np.int32)
         row_arr[:len(rows)] = rows
         tgt_arr[:len(targets)] = targets
-        ids, lps, ranks = (to_host(a) for a in prompt_logprobs_step(
-            self._model_state, hidden, row_arr, tgt_arr, MAX_LOGPROBS))
+        parts = [prompt_logprobs_step(self._model_state, hidden, row_arr[at:at + size],
+                                      tgt_arr[at:at + size], MAX_LOGPROBS)
+                 for at in range(0, calls * size, size)]
+        ids, lps, ranks = (np.concatenate([to_host(part[i]) for part in parts])
+                           for i in range(3))
         out: dict[str, list[TokenLogprobs | None]] = {}
         for req_id, first, count, lead_none in spans:
             n = ib.params[ib.row_of[req_id]].prompt_logprobs or 0

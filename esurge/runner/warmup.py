@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from esurge.runner.device_step import prompt_logprobs_step
+from esurge.runner.prompt_logprobs import gather_rows
 from esurge.runner.sampler import MAX_LOGPROBS, SamplerVariant
 from esurge.runner.steps.base import Program, WarmupPlan
 
@@ -33,7 +34,7 @@ def _prompt_logprob_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Pro
         return []
 
     def compile_one(tokens: int) -> object:
-        idx = np.zeros(tokens, np.int32)
+        idx = np.zeros(gather_rows(tokens), np.int32)
         return prompt_logprobs_step(runner.model.model_state, plan.hidden_of[tokens], idx, idx,
                                     MAX_LOGPROBS)
 

@@ -69,6 +69,24 @@ def test_logprobs_match_reference(engine: eSurge, ref_model: torch.nn.Module) ->
     assert many.prompt_logprobs is not None and len(many.prompt_logprobs) == len(PROMPT)
 
 
+def test_prompt_logprobs_scored_over_several_calls_per_step(
+        engine: eSurge, ref_model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's prompt rows are scored a bounded number at a time (3 here, so a
+    16-token prefill chunk takes six calls, the last one partly padding)."""
+    from esurge.runner import prompt_logprobs
+
+    monkeypatch.setattr(prompt_logprobs, "ROWS_PER_CALL", 3)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    plp = engine.generate([PROMPT], params)[0].prompt_logprobs
+    ref = ref_logprobs(ref_model, PROMPT)
+    assert plp is not None and len(plp) == len(PROMPT) and plp[0] is None
+    for pos in range(1, len(PROMPT)):
+        entry = plp[pos]
+        assert entry is not None and entry.token_ids[0] == PROMPT[pos]
+        np.testing.assert_allclose(entry.logprobs[0], ref[pos - 1][PROMPT[pos]], atol=1e-4)
+        assert list(entry.token_ids[1:]) == np.argsort(-ref[pos - 1])[:2].tolist()
+
+
 def test_penalties_follow_reference_loop(engine: eSurge, ref_model: torch.nn.Module) -> None:
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                             frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3)
