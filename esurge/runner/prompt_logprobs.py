@@ -77,7 +77,7 @@ class PromptLogprobsComputer:
                 targets: list[int], spans: list[tuple[str, int, int, bool]]
                 ) -> dict[str, list[TokenLogprobs | None]]:
         size = gather_rows(int(hidden.shape[0]))
-        calls = -(-len(rows) // size)
+        calls = max(1, -(-len(rows) // size))  # a span may hold only its leading None
         row_arr = np.zeros(calls * size, np.int32)
         tgt_arr = np.zeros(calls * size, np.int32)
         row_arr[:len(rows)] = rows

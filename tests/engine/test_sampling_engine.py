@@ -85,6 +85,9 @@ def test_prompt_logprobs_scored_over_several_calls_per_step(
         assert entry is not None and entry.token_ids[0] == PROMPT[pos]
         np.testing.assert_allclose(entry.logprobs[0], ref[pos - 1][PROMPT[pos]], atol=1e-4)
         assert list(entry.token_ids[1:]) == np.argsort(-ref[pos - 1])[:2].tolist()
+    # A one-token prompt has nothing to score: its one entry is None.
+    [one] = engine.generate([[PROMPT[0]]], params)
+    assert one.prompt_logprobs == [None] and len(one.outputs[0].token_ids) == 1
 
 
 def test_penalties_follow_reference_loop(engine: eSurge, ref_model: torch.nn.Module) -> None:
