@@ -15,12 +15,27 @@ from dataclasses import dataclass, field
 from esurge.config import ParallelConfig
 from esurge.errors import InvalidConfigError
 
-__all__ = ["SERVING_DTYPES", "SPECULATION_MODES", "EngineSettings"]
+__all__ = ["SERVING_DTYPES", "SPECULATION_MODES", "EngineSettings", "derived_budget"]
 
 # The dtypes a model can be served in; "auto" lets the loader choose.
 SERVING_DTYPES = ("float32", "bfloat16")
 # With a draft head: speculate where it measurably pays, or on every step.
 SPECULATION_MODES = ("adaptive", "always")
+
+
+# (max_num_seqs, max_num_batched_tokens) of a config derived for a backend
+# (`eSurge` without a Config, `esurge-serve` without the flags). On a CPU a
+# step's matmuls are compute-bound well below 256 rows, and every larger
+# token bucket is one more warm-up program that runs a padding step of its
+# size (a 2048-token one takes seconds on 2 cores); accelerators take the
+# larger steps.
+_DERIVED_BUDGETS = {"cpu": (16, 256)}
+_ACCELERATOR_BUDGET = (32, 2048)
+
+
+def derived_budget(backend: str) -> tuple[int, int]:
+    """(requests, tokens per step) a derived config uses on a JAX backend name."""
+    return _DERIVED_BUDGETS.get(backend, _ACCELERATOR_BUDGET)
 
 
 def _is_int(value: object) -> bool:

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from esurge.config import Config
 from esurge.settings import EngineSettings
-from service.cli_args import build_parser, config_or_exit, parse_args, settings_or_exit
+from service.cli_args import (
+    build_parser,
+    config_or_exit,
+    expected_backend,
+    parse_args,
+    settings_or_exit,
+)
 from service.server import EngineServer, ServerOptions, TlsConfig
 
 if TYPE_CHECKING:
@@ -188,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.model = _model_path(parser, args.model)
-    config = config_or_exit(parser, args, _checkpoint_max_len(parser, args.model))
+    config = config_or_exit(parser, args, _checkpoint_max_len(parser, args.model),
+                            expected_backend())
     settings = settings_or_exit(parser, args, config)
     if not settings.parallel_config.is_leader:
         return _follow(args, config, settings)

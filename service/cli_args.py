@@ -17,27 +17,32 @@ Typical use in the CLI entry point:
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 
 from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from esurge.errors import InvalidConfigError
 from esurge.packaged import DEFAULT_MODEL, PACKAGED_MODELS
-from esurge.settings import SERVING_DTYPES, SPECULATION_MODES, EngineSettings
+from esurge.settings import SERVING_DTYPES, SPECULATION_MODES, EngineSettings, derived_budget
 
 __all__ = [
-    "CHUNKED_BATCH_TOKENS",
     "CONFIG_FIELD_FLAGS",
     "FlagError",
     "build_config",
     "build_parser",
     "config_or_exit",
+    "expected_backend",
     "parse_args",
 ]
 
-# Batch budget used with chunked prefill when --max-num-batched-tokens is not
-# given: long prompts are split so one step stays short for running decodes.
-CHUNKED_BATCH_TOKENS = 2048
+# Accelerator plugins whose presence makes JAX pick a non-CPU backend by
+# default; read from the installed distributions, so that choosing the
+# derived budget initialises no JAX backend (a multi-host server must join
+# its cluster first).
+_ACCELERATOR_PLUGINS = {"jax-cuda12-plugin": "gpu", "jax-cuda13-plugin": "gpu",
+                        "jax-rocm60-plugin": "gpu", "libtpu": "tpu"}
 
 # Config field -> the flag that sets it, to report Config errors against flags.
 CONFIG_FIELD_FLAGS: dict[str, str] = {
@@ -182,11 +187,13 @@ def _add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--max-num-seqs", type=_int_at_least(1), default=64,
-                       help="most requests running at once (default: %(default)s)")
+    sched.add_argument("--max-num-seqs", type=_int_at_least(1), default=None,
+                       help="most requests running at once (default: 16 on CPU, 32 on an "
+                            "accelerator, as eSurge derives)")
     sched.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=None,
-                       help="token budget of one step (default: max-model-len, or "
-                            f"min(max-model-len, {CHUNKED_BATCH_TOKENS}) with chunked prefill)")
+                       help="token budget of one step (default with chunked prefill: "
+                            "min(max-model-len, 256 on CPU, 2048 on an accelerator); "
+                            "without: max-model-len)")
     sched.add_argument("--max-model-len", type=_int_at_least(1), default=None,
                        help="longest prompt plus output (default: the model's limit)")
     sched.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
@@ -195,7 +202,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="with chunked prefill, most prompt tokens per step for one "
                             "request; 0: no cap (default: %(default)s)")
     sched.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=False, help="split long prompts across steps")
+                       default=True, help="split long prompts across steps (default: on)")
     sched.add_argument("--token-safety-margin", type=_int_at_least(0), default=None,
                        help="tokens of headroom per running request when admitting new ones "
                             "(default: the engine's choice)")
@@ -203,7 +210,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="request-count buckets to pad to, increasing, each <= "
                             "max-num-seqs (default: the engine's choice)")
     sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
-                       default=False, help="schedule step N+1 while step N runs")
+                       default=True, help="schedule step N+1 while step N runs (default: on)")
     sched.add_argument("--decode-steps", type=_int_at_least(1), default=1,
                        help="decode iterations per step while every running request decodes "
                             "without penalties, masks or logprobs and no waiting request "
@@ -297,25 +304,43 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
                              speculative_model=str(model))
 
 
-def build_config(args: argparse.Namespace, model_max_len: int | None) -> Config | None:
+def expected_backend() -> str:
+    """The JAX backend this process will use, without initialising JAX:
+    JAX_PLATFORMS' first entry, else an installed accelerator plugin's, else "cpu"."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
+    if platforms:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(platforms, platforms)
+    for dist, backend in _ACCELERATOR_PLUGINS.items():
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return backend
+    return "cpu"
+
+
+def build_config(args: argparse.Namespace, model_max_len: int | None,
+                 backend: str = "cpu") -> Config | None:
     """A validated engine Config from parsed flags.
 
     max_model_len is --max-model-len, else `model_max_len` (the checkpoint's
     own limit); None is returned when neither is known, so that the caller
-    can ask for --max-model-len. A value the Config classes refuse raises
-    FlagError naming the flag that set the field.
+    can ask for --max-model-len. Requests and the step budget not given are
+    those `eSurge` derives for `backend` (`esurge.settings.derived_budget`).
+    A value the Config classes refuse raises FlagError naming the flag that
+    set the field.
     """
     max_model_len = _resolve_max_model_len(args, model_max_len)
     if max_model_len is None:
         return None
+    seqs, tokens = derived_budget(backend)
     batched = args.max_num_batched_tokens
     if batched is None:
-        batched = (min(max_model_len, CHUNKED_BATCH_TOKENS) if args.enable_chunked_prefill
-                   else max_model_len)
+        batched = min(max_model_len, tokens) if args.enable_chunked_prefill else max_model_len
     try:
         return Config(
             scheduler_config=SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
+                max_num_seqs=seqs if args.max_num_seqs is None else args.max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
                 policy=args.policy,
@@ -357,11 +382,12 @@ def build_settings(args: argparse.Namespace, config: Config) -> EngineSettings:
 
 
 def config_or_exit(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, model_max_len: int | None
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model_max_len: int | None,
+    backend: str = "cpu",
 ) -> Config:
     """`build_config`, reporting problems through `parser.error` (exit status 2)."""
     try:
-        config = build_config(args, model_max_len)
+        config = build_config(args, model_max_len, backend)
     except FlagError as err:
         parser.error(str(err))
     if config is None:

@@ -38,21 +38,12 @@ from esurge.packaged import resolve_model_path
 from esurge.runner.runner import eSurgeRunner
 from esurge.sampling_params import SamplingParams
 from esurge.scheduler.scheduler import Scheduler
-from esurge.settings import EngineSettings
+from esurge.settings import EngineSettings, derived_budget
 from esurge.structured_output.engine import StructuredOutputs
 
 __all__ = ["default_config", "eSurge"]
 
 log = logging.getLogger(__name__)
-
-
-# (max_num_seqs, max_num_batched_tokens) of a derived config, by backend. On
-# a CPU a step's matmuls are compute-bound well below 256 rows, and every
-# larger token bucket is one more warm-up program that runs a padding step
-# of its size (a 2048-token one takes seconds on 2 cores); accelerators take
-# the larger steps.
-_DERIVED_BUDGETS = {"cpu": (16, 256)}
-_ACCELERATOR_BUDGET = (32, 2048)
 
 
 def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Config:
@@ -65,7 +56,7 @@ def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Confi
     (as `make serve`), 32 and 2048 elsewhere; max_num_seqs overrides the count.
     """
     max_len = int(getattr(model.hf_config, "max_position_embeddings", 0) or 2048)
-    seqs, tokens = _DERIVED_BUDGETS.get(jax.default_backend(), _ACCELERATOR_BUDGET)
+    seqs, tokens = derived_budget(jax.default_backend())
     return Config(
         scheduler_config=SchedulerConfig(
             max_num_seqs=seqs if max_num_seqs is None else max_num_seqs,

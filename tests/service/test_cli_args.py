@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from service.cli_args import (
     build_parser,
     build_settings,
     config_or_exit,
+    expected_backend,
     parse_args,
 )
 
@@ -44,12 +46,19 @@ def test_defaults_give_the_documented_config(model_dir: Path) -> None:
     assert (args.max_message_bytes, args.max_queued_requests) == (16 * 1024 * 1024, 1024)
     assert args.max_concurrent_streams is None and args.grace_period == 30.0
     assert args.tls_cert is None and args.model == str(model_dir) and args.decode_steps == 1
-    assert build_config(args, model_max_len=4096) == Config(
-        scheduler_config=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096,
-                                         max_model_len=4096),
+    # No engine flag: the config eSurge derives for the backend (chunked
+    # prefill, async scheduling, the backend's budget).
+    derived = Config(
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
+                                         max_model_len=4096, chunked_prefill_enabled=True,
+                                         async_scheduling=True),
         cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
         speculative_config=None,
     )
+    assert build_config(args, model_max_len=4096) == derived
+    assert build_config(args, model_max_len=4096, backend="gpu") == dataclasses.replace(
+        derived, scheduler_config=dataclasses.replace(
+            derived.scheduler_config, max_num_seqs=32, max_num_batched_tokens=2048))
 
 
 def test_every_config_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
@@ -91,11 +100,32 @@ def test_server_flags_parse(model_dir: Path, tmp_path: Path) -> None:
                                                                  pem["ca"])
 
 
-def test_chunked_prefill_defaults_to_a_smaller_batch_budget(model_dir: Path) -> None:
-    config = build_config(_args(model_dir, "--enable-chunked-prefill"), model_max_len=8192)
+def test_without_chunked_prefill_a_step_holds_a_whole_prompt(model_dir: Path) -> None:
+    config = build_config(_args(model_dir, "--no-enable-chunked-prefill",
+                                "--no-async-scheduling"), model_max_len=8192)
     assert config is not None
-    assert config.scheduler_config.max_num_batched_tokens == 2048
-    assert config.scheduler_config.chunked_prefill_enabled is True
+    assert config.scheduler_config.max_num_batched_tokens == 8192
+    assert config.scheduler_config.chunked_prefill_enabled is False
+    assert config.scheduler_config.async_scheduling is False
+    short = build_config(_args(model_dir), model_max_len=100)
+    assert short is not None and short.scheduler_config.max_num_batched_tokens == 100
+
+
+@pytest.mark.parametrize(("env", "plugin", "backend"), [
+    ("cpu", None, "cpu"), ("cuda", None, "gpu"), ("tpu,cpu", None, "tpu"), ("", None, "cpu"),
+    ("", "jax-cuda12-plugin", "gpu"), ("", "libtpu", "tpu")])
+def test_the_backend_is_told_without_starting_jax(
+        monkeypatch: pytest.MonkeyPatch, env: str, plugin: str | None, backend: str) -> None:
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        if dist == plugin:
+            return "1.0"
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setenv("JAX_PLATFORMS", env)
+    monkeypatch.setattr(metadata, "version", version)
+    assert expected_backend() == backend
 
 
 @pytest.mark.parametrize(
@@ -159,7 +189,8 @@ def test_incomplete_tls_is_refused(
 @pytest.mark.parametrize(
     ("flags", "model_max_len", "flag", "fragment"),
     [
-        (["--max-num-batched-tokens", "128"], 4096, "--max-num-batched-tokens",
+        (["--max-num-batched-tokens", "128", "--no-enable-chunked-prefill"], 4096,
+         "--max-num-batched-tokens",
          "max_num_batched_tokens (128) is smaller than max_model_len (4096)"),
         (["--max-num-seqs", "16", "--max-num-seq-buckets", "8,32"], 4096,
          "--max-num-seq-buckets", "max_num_seq_buckets must be"),
@@ -203,7 +234,8 @@ def test_config_or_exit_reports_flag_errors(
     model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     parser = build_parser()
-    args = parse_args(["--model", str(model_dir), "--max-num-batched-tokens", "64"], parser)
+    args = parse_args(["--model", str(model_dir), "--max-num-batched-tokens", "64",
+                       "--no-enable-chunked-prefill"], parser)
     with pytest.raises(SystemExit) as info:
         config_or_exit(parser, args, model_max_len=1024)
     assert info.value.code == 2
