@@ -64,8 +64,8 @@ def _cut_from(tier: int, logits: jax.Array,  # [R, V]
               ) -> jax.Array:
     """The cut by the candidates of `tier`, the rows they leave unsettled by the
     next tier's (the full sort after the last), each only when some row needs it."""
-    if tier == len(CANDIDATES) or CANDIDATES[tier - 1] >= logits.shape[-1]:
-        return sorted_cut(logits, t)
+    if tier == len(CANDIDATES) or (tier > 0 and CANDIDATES[tier - 1] >= logits.shape[-1]):
+        return sorted_cut(logits, t)  # the last tier, or the one before took every logit
     filtered, settled = _candidate_cut(logits, t, CANDIDATES[tier])
     settled = settled | done
     return jax.lax.cond(
