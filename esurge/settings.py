@@ -10,12 +10,15 @@ through `EngineSettings.with_overrides`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
+from importlib import metadata
 
 from esurge.config import ParallelConfig
 from esurge.errors import InvalidConfigError
 
-__all__ = ["SERVING_DTYPES", "SPECULATION_MODES", "EngineSettings", "derived_budget"]
+__all__ = ["SERVING_DTYPES", "SPECULATION_MODES", "EngineSettings", "derived_budget",
+           "expected_backend"]
 
 # The dtypes a model can be served in; "auto" lets the loader choose.
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -36,6 +39,29 @@ _ACCELERATOR_BUDGET = (32, 2048)
 def derived_budget(backend: str) -> tuple[int, int]:
     """(requests, tokens per step) a derived config uses on a JAX backend name."""
     return _DERIVED_BUDGETS.get(backend, _ACCELERATOR_BUDGET)
+
+
+# Accelerator plugins whose presence makes JAX pick a non-CPU backend by
+# default; read from the installed distributions, so that choosing the
+# derived budget initialises no JAX backend (a multi-host server must join
+# its cluster first).
+_ACCELERATOR_PLUGINS = {"jax-cuda12-plugin": "gpu", "jax-cuda13-plugin": "gpu",
+                        "jax-rocm60-plugin": "gpu", "libtpu": "tpu"}
+
+
+def expected_backend() -> str:
+    """The JAX backend this process will use, without initialising JAX:
+    JAX_PLATFORMS' first entry, else an installed accelerator plugin's, else "cpu"."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
+    if platforms:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(platforms, platforms)
+    for dist, backend in _ACCELERATOR_PLUGINS.items():
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return backend
+    return "cpu"
 
 
 def _is_int(value: object) -> bool:

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from esurge.config import Config
-from esurge.settings import EngineSettings
+from esurge.settings import EngineSettings, expected_backend
 from service.cli_args import (
     build_parser,
     config_or_exit,
-    expected_backend,
     parse_args,
     settings_or_exit,
 )

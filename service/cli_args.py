@@ -17,9 +17,7 @@ Typical use in the CLI entry point:
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 
 from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
@@ -33,16 +31,9 @@ __all__ = [
     "build_config",
     "build_parser",
     "config_or_exit",
-    "expected_backend",
     "parse_args",
 ]
 
-# Accelerator plugins whose presence makes JAX pick a non-CPU backend by
-# default; read from the installed distributions, so that choosing the
-# derived budget initialises no JAX backend (a multi-host server must join
-# its cluster first).
-_ACCELERATOR_PLUGINS = {"jax-cuda12-plugin": "gpu", "jax-cuda13-plugin": "gpu",
-                        "jax-rocm60-plugin": "gpu", "libtpu": "tpu"}
 
 # Config field -> the flag that sets it, to report Config errors against flags.
 CONFIG_FIELD_FLAGS: dict[str, str] = {
@@ -302,21 +293,6 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         return None
     return SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens,
                              speculative_model=str(model))
-
-
-def expected_backend() -> str:
-    """The JAX backend this process will use, without initialising JAX:
-    JAX_PLATFORMS' first entry, else an installed accelerator plugin's, else "cpu"."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
-    if platforms:
-        return {"cuda": "gpu", "rocm": "gpu"}.get(platforms, platforms)
-    for dist, backend in _ACCELERATOR_PLUGINS.items():
-        try:
-            metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-        return backend
-    return "cpu"
 
 
 def build_config(args: argparse.Namespace, model_max_len: int | None,

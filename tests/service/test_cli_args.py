@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 
 from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from esurge.settings import EngineSettings
+from esurge.settings import EngineSettings, expected_backend
 from service.cli_args import (
     FlagError,
     build_config,
     build_parser,
     build_settings,
     config_or_exit,
-    expected_backend,
     parse_args,
 )
 
