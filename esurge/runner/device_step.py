@@ -12,6 +12,7 @@ from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward
 from esurge.models.kv_cache import KVCache
 from esurge.models.local_shards import host_visible
+from esurge.models.reductions import first_argmax
 from esurge.runner.packed_inputs import InputLayout
 from esurge.runner.sampler import (
     SamplerOutput,
@@ -58,7 +59,7 @@ def _fed_back_ids(batch: ForwardBatch, prev_index: jax.Array,  # [T]
 def _argmax(logits: jax.Array  # [L, V]
             ) -> jax.Array:
     """[L] int32 greedy tokens, as `sample` picks them for the plain greedy variant."""
-    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    return first_argmax(logits.astype(jnp.float32))
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("layout", "variant"))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from esurge.models.reductions import first_argmax
 from esurge.runner.sampling_filters import apply_filters
 from esurge.sampling_params import MAX_LOGPROBS
 from esurge.structured_output.device_mask import allowed_bits
@@ -173,7 +174,7 @@ def token_logprobs(raw: jax.Array, tokens: jax.Array, top_n: int = MAX_LOGPROBS
 def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant) -> SamplerOutput:
     """Pick one token per row.  logits: [R, V] -> SamplerOutput with token_ids [R]."""
     raw, processed = process(logits.astype(jnp.float32), tensors, variant)
-    greedy_tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(processed)
     if variant.all_greedy:
         tokens = greedy_tokens
     else:
@@ -182,7 +183,7 @@ def sample(logits: jax.Array, tensors: SamplingTensors, variant: SamplerVariant)
         scaled = processed / temp
         scaled = apply_filters(scaled, tensors)
         noise = gumbel_noise(tensors.seeds, tensors.positions, scaled.shape[-1])
-        sampled = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+        sampled = first_argmax(scaled + noise)
         tokens = jnp.where(is_greedy, greedy_tokens, sampled)
     if not variant.logprobs:
         return SamplerOutput(token_ids=tokens)

@@ -35,6 +35,7 @@ from jax import lax
 from esurge.models.forward import ModelState
 from esurge.models.kv_cache import NULL_PAGE, placed_zeros
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
+from esurge.models.reductions import first_argmax
 from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleHead, EagleState
@@ -125,12 +126,12 @@ def _draw(logits: jax.Array, temperature: jax.Array, noise: jax.Array | None,
           d2t: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array | None]:
     """Draft tokens [R] (target ids) and, when sampling, their distributions [R, V]."""
     # logits: [R, Vd] float32, noise: [R, Vd] Gumbel or None (all greedy)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(logits)
     if noise is None:
         return greedy + d2t[greedy], None
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-    drawn = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    drawn = first_argmax(scaled + noise)
     draft = jnp.where(sampled, drawn, greedy)
     probs_draft = jax.nn.softmax(scaled, axis=-1)
     target_ids = jnp.arange(logits.shape[-1]) + d2t

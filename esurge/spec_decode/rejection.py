@@ -23,6 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from esurge.models.reductions import first_argmax
+
 __all__ = ["accept_greedy", "rejection_sample"]
 
 
@@ -64,7 +66,7 @@ def rejection_sample(
     residual = jnp.maximum(p_k - draft_probs, 0.0)
     scores = jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0))
                        + recover_noise, -jnp.inf)
-    recovered = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # [R, k]
+    recovered = first_argmax(scores)  # [R, k]
     # p == q leaves no residual; a rejection is then impossible in exact
     # arithmetic, so a plain target sample is the right fallback.
     recovered = jnp.where(residual.max(axis=-1) > 0, recovered, target_samples[:, :k])

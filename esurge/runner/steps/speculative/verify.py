@@ -25,6 +25,7 @@ import numpy as np
 from flax import struct
 
 from esurge.models.local_shards import host_visible
+from esurge.models.reductions import first_argmax
 from esurge.runner.sampler import (
     SamplerVariant,
     SamplingTensors,
@@ -83,7 +84,7 @@ def _sampled(processed: jax.Array, rows: SamplingTensors, greedy: jax.Array,
     s, vocab = k + 1, processed.shape[-1]
     is_greedy = rows.temperature <= 0.0
     scaled = apply_filters(processed / jnp.where(is_greedy, 1.0, rows.temperature)[:, None], rows)
-    own = jnp.argmax(scaled + gumbel_noise(rows.seeds, rows.positions, vocab), axis=-1)
+    own = first_argmax(scaled + gumbel_noise(rows.seeds, rows.positions, vocab))
     own = jnp.where(is_greedy, greedy, own.astype(jnp.int32)).reshape(r, s)
     probs = jax.nn.softmax(scaled, axis=-1).reshape(r, s, vocab)
     head_rows = jax.tree.map(lambda x: x.reshape(r, s, *x.shape[1:])[:, :k].reshape(
@@ -109,7 +110,7 @@ def verify(
     s = k + 1
     rows = _per_row(tensors, s)
     raw, processed = process(logits.astype(jnp.float32), rows, variant)
-    greedy = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    greedy = first_argmax(processed)
     tokens, num_out = accept_greedy(greedy.reshape(r, s), drafts, num_drafts)
     noise = None
     if not variant.all_greedy:
