@@ -21,9 +21,9 @@ from esurge.runner.step_inputs import StepInputs
 
 __all__ = ["PromptLogprobsComputer", "gather_rows"]
 
-# Rows scored per call: the LM head over a step's every row (8,192 of them at
-# SmolLM2's default budget, 49,152 logits each) took seconds, for rows that
-# were mostly padding, and so did each token bucket's warm-up run of it.
+# Rows scored per call: the LM head over a step's every row (up to 8,192 with
+# whole-context steps, 49,152 logits each for SmolLM2) took seconds, for rows
+# that were mostly padding, and so did each token bucket's warm-up run of it.
 ROWS_PER_CALL = 256
 
 
