@@ -61,12 +61,17 @@ def test_one_all_reduce_per_row_parallel_matmul_and_no_weight_gathered(engine: e
     layers = engine.model.config.num_layers
     # The design: the embedding's vocab-parallel lookup, then o_proj and
     # down_proj of each layer, each one all-reduce of the [tokens, hidden] sums.
+    sums = (16, engine.model.config.hidden_size)
     reduces = [shape for op, shape in ops if op == "all-reduce"]
-    assert reduces == [(16, engine.model.config.hidden_size)] * (1 + 2 * layers)
+    assert [s for s in reduces if s == sums] == [sums] * (1 + 2 * layers)
+    # Greedy over vocab-parallel logits (`first_argmax`): each row's maximum,
+    # then the first position holding it, one value per row each.
+    picks = [s for s in reduces if s != sums]
+    assert len(picks) == 2 and picks[0] == picks[1] and len(picks[0]) == 1
+    assert picks[0][0] <= engine.runner.max_rows
     weights = {tuple(leaf.shape) for leaf in jax.tree_util.tree_leaves(engine.model.params)}
     gathers = [shape for op, shape in ops if op == "all-gather"]
-    # Greedy over vocab-parallel logits gathers each shard's (max, index) pair,
-    # never a weight nor a logits row.
+    # Nothing gathers a weight nor a logits row.
     assert all(shape not in weights for shape in gathers)
     assert all(math.prod(shape) < engine.model.vocab_size for shape in gathers)
     assert {op for op, _ in ops} <= {"all-reduce", "all-gather"}
