@@ -5,8 +5,9 @@ read with prometheus_client's own text parser."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -50,6 +51,17 @@ def _scrape(server: EngineServer) -> Samples:
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
+
+
+def _scrape_until(server: EngineServer, done: Callable[[Samples], bool],
+                  timeout_s: float = 10.0) -> Samples:
+    """Scrape until `done` holds of the samples or the time is up (the last scrape)."""
+    deadline = time.monotonic() + timeout_s
+    samples = _scrape(server)
+    while not done(samples) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        samples = _scrape(server)
+    return samples
 
 
 def _value(samples: Samples, name: str, **labels: str) -> float:
@@ -110,12 +122,16 @@ def test_grpc_calls_are_counted_by_method_and_code(metered: EngineServer) -> Non
         client.model_info()
         with pytest.raises(grpc.RpcError):
             client.generate_unary(_bad_request())
-    after = _scrape(metered)
+    unary = {"grpc_method": "GenerateUnary", "grpc_type": "unary"}
+    # context.abort sends the status before the handler's metrics wrapper
+    # records the call, so the client can see the error first: wait for the
+    # count (bounded), then check every number.
+    after = _scrape_until(metered, lambda s: _delta(
+        before, s, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT", **unary) >= 1)
     method = {"grpc_service": "esurge.v1.EngineService", "grpc_method": "GetModelInfo"}
     assert _delta(before, after, "grpc_server_started_total", **method) == 2
     assert _delta(before, after, "grpc_server_handled_total", grpc_code="OK", **method) == 2
     assert _delta(before, after, "grpc_server_handling_seconds_count", **method) == 2
-    unary = {"grpc_method": "GenerateUnary", "grpc_type": "unary"}
     assert _delta(before, after, "grpc_server_handled_total", grpc_code="INVALID_ARGUMENT",
                   **unary) == 1
 
