@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field
 from importlib import metadata
 
-from esurge.config import ParallelConfig
+from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig
 from esurge.errors import InvalidConfigError
 
 __all__ = ["SERVING_DTYPES", "SPECULATION_MODES", "EngineSettings", "derived_budget",
-           "expected_backend"]
+           "derived_config", "expected_backend"]
 
 # The dtypes a model can be served in; "auto" lets the loader choose.
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -39,6 +39,23 @@ _ACCELERATOR_BUDGET = (32, 2048)
 def derived_budget(backend: str) -> tuple[int, int]:
     """(requests, tokens per step) a derived config uses on a JAX backend name."""
     return _DERIVED_BUDGETS.get(backend, _ACCELERATOR_BUDGET)
+
+
+def derived_config(max_model_len: int, backend: str, max_num_seqs: int | None = None
+                   ) -> Config:
+    """The config used when none is given (`eSurge(M)`, `esurge-serve` without
+    engine flags): the context length, chunked prefill, async scheduling (the
+    next step prepared while one runs; same tokens), the backend's budget
+    (`derived_budget`; max_num_seqs overrides its request count) and a
+    memory-sized cache with prefix caching."""
+    seqs, tokens = derived_budget(backend)
+    return Config(
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=seqs if max_num_seqs is None else max_num_seqs,
+            max_num_batched_tokens=min(tokens, max_model_len), max_model_len=max_model_len,
+            chunked_prefill_enabled=True, async_scheduling=True),
+        cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
+    )
 
 
 # Accelerator plugins whose presence makes JAX pick a non-CPU backend by

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from tokenizers import Tokenizer
 
-from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig
+from esurge.config import Config, ParallelConfig
 from esurge.engine.chat import ChatMessage, ChatPrompt, ChatTemplate
 from esurge.engine.compile_cache import enable_compile_cache
 from esurge.engine.core import EngineCore
@@ -38,7 +38,7 @@ from esurge.packaged import resolve_model_path
 from esurge.runner.runner import eSurgeRunner
 from esurge.sampling_params import SamplingParams
 from esurge.scheduler.scheduler import Scheduler
-from esurge.settings import EngineSettings, derived_budget
+from esurge.settings import EngineSettings, derived_config
 from esurge.structured_output.engine import StructuredOutputs
 
 __all__ = ["default_config", "eSurge"]
@@ -47,23 +47,12 @@ log = logging.getLogger(__name__)
 
 
 def default_config(model: LoadedModel, max_num_seqs: int | None = None) -> Config:
-    """A config from the checkpoint: its context length, chunked prefill, a
-    memory-sized cache with prefix caching, and async scheduling (the next
-    step is prepared while one runs: same tokens, ~10% more throughput on
-    W1; with speculative decoding only plain steps overlap).
-
-    The step budget suits the backend: 16 requests and 256-token steps on CPU
-    (as `make serve`), 32 and 2048 elsewhere; max_num_seqs overrides the count.
-    """
+    """The checkpoint's derived config (`esurge.settings.derived_config`): its
+    context length, chunked prefill, async scheduling, prefix caching, and the
+    backend's budget, 16 requests and 256-token steps on CPU, 32 and 2048
+    elsewhere; max_num_seqs overrides the count."""
     max_len = int(getattr(model.hf_config, "max_position_embeddings", 0) or 2048)
-    seqs, tokens = derived_budget(jax.default_backend())
-    return Config(
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=seqs if max_num_seqs is None else max_num_seqs,
-            max_num_batched_tokens=min(tokens, max_len), max_model_len=max_len,
-            chunked_prefill_enabled=True, async_scheduling=True),
-        cache_config=CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=True),
-    )
+    return derived_config(max_len, jax.default_backend(), max_num_seqs)
 
 
 def _load_tokenizer(model: LoadedModel, tokenizer_dir: Path | None

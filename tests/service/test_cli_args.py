@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from esurge.config import CacheConfig, Config, ParallelConfig, SchedulerConfig, SpeculativeConfig
-from esurge.settings import EngineSettings, expected_backend
+from esurge.settings import EngineSettings, derived_config, expected_backend
 from service.cli_args import (
     FlagError,
     build_config,
@@ -46,7 +46,10 @@ def test_defaults_give_the_documented_config(model_dir: Path) -> None:
     assert args.max_concurrent_streams is None and args.grace_period == 30.0
     assert args.tls_cert is None and args.model == str(model_dir) and args.decode_steps == 1
     # No engine flag: the config eSurge derives for the backend (chunked
-    # prefill, async scheduling, the backend's budget).
+    # prefill, async scheduling, the backend's budget), from the one place
+    # that derives it.
+    assert build_config(args, model_max_len=4096) == derived_config(4096, "cpu")
+    assert build_config(args, model_max_len=4096, backend="gpu") == derived_config(4096, "gpu")
     derived = Config(
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
                                          max_model_len=4096, chunked_prefill_enabled=True,
