@@ -21,10 +21,12 @@ import numpy as np
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
 from esurge.models.loader import LoadedModel
 from esurge.spec_decode.config import EagleConfig
+from esurge.spec_decode.head import EagleState
 from tools.eagle_data import PAGE_SIZE, FeatureSet, TargetFeatures, draft_vocabulary
 from tools.eagle_training import Labels
 
-__all__ = ["chat_batches", "chat_config", "chat_data", "chat_sequences", "evaluate_chat"]
+__all__ = ["answered", "chat_batches", "chat_config", "chat_data", "chat_sequences",
+           "evaluate_chat", "heldout_accuracy"]
 
 Batch = tuple[jax.Array, jax.Array, jax.Array, Labels]  # features, final hidden, tokens, labels
 
@@ -74,7 +76,9 @@ def chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfig
               f"{args.data_cache}", file=sys.stderr, flush=True)
         if len(kept.tokens) >= args.distill_prompts:
             return kept
-    sequences = chat_sequences(args, start=0 if kept is None else len(kept.tokens))
+    start = 0 if kept is None else len(kept.tokens)
+    sequences = (answered(args.answers, "train", start, args.distill_prompts)
+                 if args.answers is not None else chat_sequences(args, start=start))
     d2t = draft_vocabulary(np.concatenate(sequences), config) if kept is None else kept.d2t
     cut = sum(len(s) > args.context for s in sequences)
     if cut:
@@ -94,6 +98,50 @@ def chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfig
     if args.data_cache is not None:
         data.save(args.data_cache)
     return data
+
+
+def answered(path: Path, split: str, start: int, stop: int) -> list[np.ndarray]:
+    """Chats start..stop of a split of a tools/eagle_answers.py answer file."""
+    from tools.eagle_answers import read_split
+
+    chats = read_split(path, split)
+    if len(chats) < stop:
+        raise ValueError(f"{path} holds {len(chats)} {split} chats, fewer than the {stop} asked")
+    print(f"read {stop - start} {split} chats from {path}", file=sys.stderr, flush=True)
+    return chats[start:stop]
+
+
+def heldout_accuracy(args: argparse.Namespace, head: EagleState) -> list[float]:
+    """Each unrolled draft step's top-1 agreement with the target on the held-out
+    chats of --answers: a quick relative signal where the engine cannot run.
+    It counts prompt positions too (the chat template and its system text,
+    which the head predicts easily), so it reads well above the acceptance
+    the engine measures on answers (0.71 for the first step of a head whose
+    engine acceptance length at k = 4 was 2.1)."""
+    from tools.eagle_training import LossWeights, head_loss
+
+    with np.load(args.answers) as data:
+        count = len(data["heldout_offsets"]) - 1
+    if count < args.batch_size:
+        return []
+    from esurge.models import load_model
+
+    target, config = load_model(args.target, "float32"), head.config
+    d2t = np.asarray(head.d2t)
+    target_fn = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
+                               args.batch_size, args.context)
+    data = FeatureSet.compute(target_fn, answered(args.answers, "heldout", 0, count),
+                              args.context, d2t, args.batch_size)
+    loss = jax.jit(head_loss, static_argnums=(7, 8))
+    total, weight = np.zeros(args.unroll), 0
+    batches = data.batches(args.batch_size, np.random.default_rng(0))
+    for _ in range(count // args.batch_size):
+        feats, tokens, labels = next(batches)
+        _, metrics = loss(head.params, head, target.model_state, jnp.asarray(feats),
+                          jnp.zeros((0,), jnp.float32), jnp.asarray(tokens), labels,
+                          args.unroll, LossWeights())
+        total, weight = total + np.asarray(metrics.accuracy), weight + 1
+    return [round(float(a), 4) for a in total / weight]
 
 
 def evaluate_chat(target_path: Path, head_dir: Path, num_prompts: int, k: int,

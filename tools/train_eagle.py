@@ -21,8 +21,12 @@ evaluates on prompts about held-out topics:
 
 The target runs once per chat (tools/eagle_data.py): its features and labels
 are kept, in C.npz with --data-cache, and a cache of fewer chats is extended.
-The shipped models/smollm2-eagle came from two such runs (576 chats, then
-1,104; the commands are in its training_info.json).
+With --answers A.npz the chats come from tools/eagle_answers.py (answered in
+bulk, e.g. on a GPU) instead of the engine; its held-out chats are then scored
+after training (each draft step's top-1 agreement with the target, prompt
+positions included, so it reads higher than the engine's acceptance). The
+shipped models/smollm2-eagle was trained that way on an H200 from the answers
+to all 6,048 training prompts (the commands are in its training_info.json).
 
 Data: windows of the given text files (default: the standard library files
 of the default model's training split, tools/lm_data.py), plus, with
@@ -64,7 +68,13 @@ from esurge.models.loader import LoadedModel  # noqa: E402
 from esurge.spec_decode.checkpoint import eagle_config_dict, save_eagle_head  # noqa: E402
 from esurge.spec_decode.config import EagleConfig, EagleLayout  # noqa: E402
 from esurge.spec_decode.head import EagleState, init_head  # noqa: E402
-from tools.eagle_chat import Batch, chat_batches, chat_data, evaluate_chat  # noqa: E402
+from tools.eagle_chat import (  # noqa: E402
+    Batch,
+    chat_batches,
+    chat_data,
+    evaluate_chat,
+    heldout_accuracy,
+)
 from tools.eagle_data import PAGE_SIZE, TargetFeatures, draft_vocabulary  # noqa: E402
 from tools.eagle_output_init import freeze_output, target_output_params  # noqa: E402
 from tools.eagle_training import LossWeights, make_train_step, sparse_labels  # noqa: E402
@@ -105,12 +115,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="--chat: keep the answers and the target's features in this .npz "
                         "file; reuse them when it exists (same target and --draft-vocab), "
                         "extended when it holds fewer than --distill-prompts chats")
+    p.add_argument("--answers", type=Path, default=None,
+                   help="--chat: take the answers from this tools/eagle_answers.py file "
+                        "instead of running the engine (its held-out chats, if any, are "
+                        "scored after training)")
     p.add_argument("--output-init", choices=("random", "target"), default="random",
                    help="EAGLE-3: start the head's final norm and LM head at random, or "
                         "from the target's final norm and LM head rows "
                         "(tools/eagle_output_init.py)")
     p.add_argument("--freeze-output", action="store_true",
                    help="with --output-init target: keep the output layer as initialised")
+    p.add_argument("--max-train-seconds", type=float, default=None,
+                   help="stop training after this long (the schedule is not shortened; "
+                        "training_info.json records the steps taken)")
     p.add_argument("--eval-prompts", type=int, default=0)
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -131,8 +148,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.layout != EagleLayout.EAGLE3.value:
             p.error("--chat trains an EAGLE-3 head (--layout eagle3): its kept features "
                     "carry no final hidden state for EAGLE-1's regression")
-    elif args.data_cache is not None:
-        p.error("--data-cache keeps --chat training data: it needs --chat")
+    elif args.data_cache is not None or args.answers is not None:
+        p.error("--data-cache and --answers hold --chat training data: they need --chat")
     if args.output_init == "target" and args.layout != EagleLayout.EAGLE3.value:
         p.error("--output-init target needs --layout eagle3 (EAGLE-1 uses the target's "
                 "LM head itself)")
@@ -260,7 +277,9 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
     opt_state = optimizer.init(params)
     step_fn = make_train_step(optimizer, args.unroll, LossWeights())
     began, history = time.monotonic(), []
-    for step in range(1, args.steps + 1):
+    step = 0
+    while step < args.steps:
+        step += 1
         feats, hidden, tokens, labels = next(batches)
         params, opt_state, loss, metrics = step_fn(params, opt_state, head, target.model_state,
                                                    feats, hidden, tokens, labels)
@@ -268,7 +287,10 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
             acc = np.asarray(metrics.accuracy)
             history.append({"step": step, "loss": float(loss), "accuracy": acc.tolist()})
             _progress(step, args, float(loss), acc, time.monotonic() - began)
-    summary = {"steps": args.steps, "tokens": args.steps * args.batch_size * args.context,
+        if args.max_train_seconds is not None and time.monotonic() - began > args.max_train_seconds:
+            print(f"stopped after {step} steps (--max-train-seconds)", file=sys.stderr)
+            break
+    summary = {"steps": step, "tokens": step * args.batch_size * args.context,
                "seconds": round(time.monotonic() - began, 1), "history": history}
     return head.replace_params(params), raw, summary
 
@@ -313,6 +335,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     state, raw, summary = train(args)
     save_eagle_head(args.out, raw, state, dtype="bfloat16")
     print(f"saved {args.out}", file=sys.stderr)
+    if args.chat and args.answers is not None:
+        summary["heldout_draft_accuracy"] = heldout_accuracy(args, state)
+        print(f"held-out draft-step accuracy: {summary['heldout_draft_accuracy']}",
+              file=sys.stderr, flush=True)
     if args.eval_prompts and args.chat:
         summary["eval"] = evaluate_chat(args.target, args.out, args.eval_prompts, args.eval_k)
         print(f"held-out acceptance: {summary['eval']}", file=sys.stderr)

@@ -164,7 +164,7 @@ def test_a_json_reply_follows_the_schema(engine: eSurge) -> None:
 
 
 HEAD = Path(__file__).resolve().parents[2] / "models" / "smollm2-eagle"
-ACCEPTED_AT_LEAST = 1.15  # this head: 1.30 on these prompts, 16 tokens each
+ACCEPTED_AT_LEAST = 1.15  # this head: 1.31 on these prompts, 16 tokens each
 
 
 @pytest.fixture(scope="module")
