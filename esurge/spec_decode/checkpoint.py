@@ -24,12 +24,14 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from esurge.models.cpu_kernels import kernels_serve
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.packed_linear import pack_weight
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 from esurge.spec_decode.head import EagleHead, EagleState, HeadParams
 
-__all__ = ["eagle_config_dict", "load_eagle_head", "read_tensors", "save_eagle_head"]
+__all__ = ["eagle_config_dict", "head_serving_dtype", "load_eagle_head", "read_tensors",
+           "save_eagle_head"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Buffers some exporters write that carry no learned state.
@@ -148,6 +150,17 @@ def _packed_params(params: HeadParams) -> HeadParams:
         else:
             out[name] = value
     return out
+
+
+def head_serving_dtype(model_dtype: str, packed: bool) -> str:
+    """The dtype to serve a head in beside a target served in `model_dtype`:
+    bfloat16 under a float32 target where the CPU kernels multiply bfloat16
+    natively. A draft pass is bound by reading the head's weights (SmolLM2's
+    head: 35 MB in float32, more than a third of its 4-bit target's step),
+    and drafts need only be likely, not exact: verification decides every token."""
+    if packed and model_dtype == "float32" and kernels_serve(jnp.bfloat16):
+        return "bfloat16"
+    return model_dtype
 
 
 def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float32",

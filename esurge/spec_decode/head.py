@@ -141,6 +141,9 @@ class EagleHead(nnx.Module):
     def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, own_embedding: bool = False,
                  packed: bool = False):
         self.config = config
+        # Inputs from the target (its features, a float32 hidden) are cast to this
+        # on entry: a bfloat16 head then multiplies in the CPU's bfloat16 kernels.
+        self.dtype = jnp.dtype(dtype)
         h = config.hidden_size
         self.embed_tokens = (Embedding(config.vocab_size, h, dtype=dtype)
                              if own_embedding else None)
@@ -164,8 +167,8 @@ class EagleHead(nnx.Module):
     def first_hidden(self, features: jax.Array) -> jax.Array:  # [T, F] -> [T, H]
         """The hidden input of the first draft step from the target's features."""
         if self.config.layout is EagleLayout.EAGLE3:
-            return self.fc(features)
-        return features
+            return self.fc(features.astype(self.dtype))
+        return features.astype(self.dtype)
 
     def step(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
              attend: Attend) -> jax.Array:  # [T, H], [T, H] -> [T, H]

@@ -49,7 +49,7 @@ from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
-from esurge.spec_decode.checkpoint import load_eagle_head
+from esurge.spec_decode.checkpoint import head_serving_dtype, load_eagle_head
 from esurge.spec_decode.config import EagleLayout
 from esurge.spec_decode.draft_length import (
     Acceptance,
@@ -132,8 +132,9 @@ class SpecDecoder:
         # AVX-512 the panels serve only small steps: the head stays unpacked there).
         pack = (model.mesh is None and model.config.packed_weights
                 and not model.config.dual_layout)
+        self.head_dtype = head_serving_dtype(model.dtype, pack)
         self.head = replicated(load_eagle_head(spec.speculative_model, model.config,
-                                               model.dtype, pack=pack), model.mesh)
+                                               self.head_dtype, pack=pack), model.mesh)
         config = self.head.config
         self.layout = config.layout
         # The head names layer inputs; forward reports layer outputs (input of i = output of i-1).
@@ -144,7 +145,7 @@ class SpecDecoder:
         sharding = (None if model.mesh is None
                     else kv_cache_sharding(model.mesh, config.num_kv_heads))
         self.cache: DraftKVCache = init_draft_cache(config, num_pages, page_size,
-                                                    jnp.dtype(model.dtype), sharding)
+                                                    jnp.dtype(self.head_dtype), sharding)
         self.prob_buffer = replicated(jnp.zeros((max_rows + 1, self.num_spec, model.vocab_size),
                                                 jnp.float32), model.mesh)
         self._sink = max_rows
