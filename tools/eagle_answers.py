@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,7 +97,7 @@ def render(args: argparse.Namespace) -> None:
           f"{arrays['stop_ids'].tolist()}", file=sys.stderr)
 
 
-def _answer_batch(model: object, prompts: list[np.ndarray], stop_ids: list[int],
+def _answer_batch(model: Any, prompts: list[np.ndarray], stop_ids: list[int],
                   max_tokens: int, device: str) -> list[np.ndarray]:
     """Greedy answers (prompt + answer, through the first stop token) of one batch."""
     import torch
@@ -108,7 +109,7 @@ def _answer_batch(model: object, prompts: list[np.ndarray], stop_ids: list[int],
         ids[i, width - len(p):] = torch.as_tensor(p.astype(np.int64))
         mask[i, width - len(p):] = 1
     with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),  # type: ignore[attr-defined]
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              do_sample=False, max_new_tokens=max_tokens,
                              eos_token_id=stop_ids, pad_token_id=stop_ids[0])
     answers = out[:, width:].cpu().numpy()
@@ -163,14 +164,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the model: a .gguf file or an HF directory")
     a.add_argument("--prompts", type=Path, required=True, help="a `render` output")
     a.add_argument("--out", type=Path, required=True)
-    a.add_argument("--train", type=int, default=10**9, help="answer the first N train prompts")
+    a.add_argument("--train", type=int, default=None,
+                   help="answer the first N train prompts (default: all)")
     a.add_argument("--heldout", type=int, default=0, help="and the first N held-out ones")
     a.add_argument("--max-tokens", type=int, default=208)
     a.add_argument("--batch", type=int, default=256)
     args = p.parse_args(argv)
-    for name in ("train", "heldout", "max_tokens", "batch"):
-        if args.command == "answer" and getattr(args, name) < (0 if name == "heldout" else 1):
-            p.error(f"--{name.replace('_', '-')} is out of range: {getattr(args, name)}")
+    lowest = {"train": 1, "heldout": 0, "max_tokens": 1, "batch": 1}
+    for name, low in lowest.items():
+        value = getattr(args, name, None)
+        if args.command == "answer" and value is not None and value < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     return args
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
+from esurge.models import load_model
 from esurge.models.loader import LoadedModel
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleState
@@ -124,8 +125,6 @@ def heldout_accuracy(args: argparse.Namespace, head: EagleState) -> list[float]:
         count = len(data["heldout_offsets"]) - 1
     if count < args.batch_size:
         return []
-    from esurge.models import load_model
-
     target, config = load_model(args.target, "float32"), head.config
     d2t = np.asarray(head.d2t)
     target_fn = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),

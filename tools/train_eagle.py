@@ -136,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "context", "unroll", "log_every", "eval_k"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_train_seconds is not None and not args.max_train_seconds >= 0:
+        p.error(f"--max-train-seconds must be >= 0, got {args.max_train_seconds}")
     if args.chat:
         from tools.chat_prompts import chat_prompts
 
@@ -277,9 +279,7 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
     opt_state = optimizer.init(params)
     step_fn = make_train_step(optimizer, args.unroll, LossWeights())
     began, history = time.monotonic(), []
-    step = 0
-    while step < args.steps:
-        step += 1
+    for step in range(1, args.steps + 1):
         feats, hidden, tokens, labels = next(batches)
         params, opt_state, loss, metrics = step_fn(params, opt_state, head, target.model_state,
                                                    feats, hidden, tokens, labels)
