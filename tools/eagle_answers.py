@@ -33,33 +33,18 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-__all__ = ["Sequences", "main"]
+__all__ = ["flat_split", "main", "read_split"]
 
 SPLITS = ("train", "heldout")
 
 
-class Sequences:
-    """Variable-length token sequences kept flat: ids and [N + 1] offsets."""
-
-    def __init__(self, seqs: Sequence[Sequence[int] | np.ndarray]) -> None:
-        self.offsets = np.cumsum([0, *map(len, seqs)]).astype(np.int64)
-        self.ids = (np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs
-                    else np.zeros(0, np.int32))
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.ids[self.offsets[i]:self.offsets[i + 1]]
-
-    def as_list(self) -> list[np.ndarray]:
-        return [self[i] for i in range(len(self))]
-
-    @classmethod
-    def from_arrays(cls, ids: np.ndarray, offsets: np.ndarray) -> Sequences:
-        out = cls([])
-        out.ids, out.offsets = ids.astype(np.int32), offsets.astype(np.int64)
-        return out
+def flat_split(split: str, seqs: Sequence[Sequence[int] | np.ndarray]
+               ) -> dict[str, np.ndarray]:
+    """A split's variable-length sequences kept flat: `{split}_ids` (all tokens)
+    and `{split}_offsets` ([N + 1], where each sequence starts and the last ends)."""
+    offsets = np.cumsum([0, *map(len, seqs)]).astype(np.int64)
+    ids = np.concatenate([np.asarray(s, np.int32) for s in seqs]) if seqs else np.zeros(0)
+    return {f"{split}_ids": ids.astype(np.int32), f"{split}_offsets": offsets}
 
 
 def read_split(path: Path, split: str) -> list[np.ndarray]:
@@ -67,7 +52,7 @@ def read_split(path: Path, split: str) -> list[np.ndarray]:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     with np.load(path) as data:
-        return Sequences.from_arrays(data[f"{split}_ids"], data[f"{split}_offsets"]).as_list()
+        return np.split(data[f"{split}_ids"], data[f"{split}_offsets"][1:-1])
 
 
 def render(args: argparse.Namespace) -> None:
@@ -80,16 +65,13 @@ def render(args: argparse.Namespace) -> None:
     arrays: dict[str, np.ndarray] = {}
     with eSurge(args.target, chat_config(256), show_progress=False, warmup=False) as llm:
         params = SamplingParams(temperature=0, max_tokens=1)
-        stops: set[int] = set()
         for split in SPLITS:
             prepared = [llm.inputs.prepare(f"{split}-{i}", ChatPrompt((ChatMessage("user", p),)),
                                            params)
                         for i, p in enumerate(chat_prompts(split))]
-            seqs = Sequences([p.prompt_token_ids for p in prepared])
-            arrays[f"{split}_ids"], arrays[f"{split}_offsets"] = seqs.ids, seqs.offsets
-            for p in prepared:
-                stops.update(p.params.stop_token_ids)
-        stops.update(llm.model.eos_token_ids)
+            arrays |= flat_split(split, [p.prompt_token_ids for p in prepared])
+        # Every chat request gets the same stops: the template's end of turn.
+        stops = {*prepared[0].params.stop_token_ids, *llm.model.eos_token_ids}
     arrays["stop_ids"] = np.asarray(sorted(stops), np.int32)
     np.savez(args.out, **arrays)  # type: ignore[arg-type]
     print(f"rendered {len(arrays['train_offsets']) - 1} train and "
@@ -147,8 +129,7 @@ def answer(args: argparse.Namespace) -> None:
                 done[i] = seq
             print(f"{split}: {len(done)}/{len(prompts)} answered, "
                   f"{time.monotonic() - began:.0f}s", file=sys.stderr, flush=True)
-        seqs = Sequences([done[i] for i in range(len(prompts))])
-        arrays[f"{split}_ids"], arrays[f"{split}_offsets"] = seqs.ids, seqs.offsets
+        arrays |= flat_split(split, [done[i] for i in range(len(prompts))])
     np.savez(args.out, **arrays)  # type: ignore[arg-type]
 
 

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
-from esurge.models import load_model
 from esurge.models.loader import LoadedModel
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleState
@@ -112,7 +111,8 @@ def answered(path: Path, split: str, start: int, stop: int) -> list[np.ndarray]:
     return chats[start:stop]
 
 
-def heldout_accuracy(args: argparse.Namespace, head: EagleState) -> list[float]:
+def heldout_accuracy(args: argparse.Namespace, target: LoadedModel, head: EagleState
+                     ) -> list[float]:
     """Each unrolled draft step's top-1 agreement with the target on the held-out
     chats of --answers: a quick relative signal where the engine cannot run.
     It counts prompt positions too (the chat template and its system text,
@@ -125,8 +125,7 @@ def heldout_accuracy(args: argparse.Namespace, head: EagleState) -> list[float]:
         count = len(data["heldout_offsets"]) - 1
     if count < args.batch_size:
         return []
-    target, config = load_model(args.target, "float32"), head.config
-    d2t = np.asarray(head.d2t)
+    config, d2t = head.config, np.asarray(head.d2t)
     target_fn = TargetFeatures(target, tuple(i - 1 for i in config.aux_layer_ids),
                                args.batch_size, args.context)
     data = FeatureSet.compute(target_fn, answered(args.answers, "heldout", 0, count),

@@ -292,7 +292,12 @@ def train(args: argparse.Namespace) -> tuple[EagleState, dict[str, Any], dict[st
             break
     summary = {"steps": step, "tokens": step * args.batch_size * args.context,
                "seconds": round(time.monotonic() - began, 1), "history": history}
-    return head.replace_params(params), raw, summary
+    head = head.replace_params(params)
+    if args.chat and args.answers is not None:
+        summary["heldout_draft_accuracy"] = heldout_accuracy(args, target, head)
+        print(f"held-out draft-step accuracy: {summary['heldout_draft_accuracy']}",
+              file=sys.stderr, flush=True)
+    return head, raw, summary
 
 
 def _progress(step: int, args: argparse.Namespace, loss: float, accuracy: np.ndarray,
@@ -335,10 +340,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     state, raw, summary = train(args)
     save_eagle_head(args.out, raw, state, dtype="bfloat16")
     print(f"saved {args.out}", file=sys.stderr)
-    if args.chat and args.answers is not None:
-        summary["heldout_draft_accuracy"] = heldout_accuracy(args, state)
-        print(f"held-out draft-step accuracy: {summary['heldout_draft_accuracy']}",
-              file=sys.stderr, flush=True)
     if args.eval_prompts and args.chat:
         summary["eval"] = evaluate_chat(args.target, args.out, args.eval_prompts, args.eval_k)
         print(f"held-out acceptance: {summary['eval']}", file=sys.stderr)

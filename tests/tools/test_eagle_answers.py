@@ -12,7 +12,7 @@ import pytest
 
 from esurge import SamplingParams, eSurge
 from tools.chat_prompts import chat_prompts
-from tools.eagle_answers import Sequences, main, read_split
+from tools.eagle_answers import flat_split, main, read_split
 from tools.eagle_chat import chat_config
 from tools.train_eagle import main as train_main
 
@@ -21,8 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_sequences_keep_ragged_rows_through_a_file(tmp_path: Path) -> None:
     rows = [[5, 6, 7], [], [9]]
-    seqs = Sequences(rows)
-    np.savez(tmp_path / "s.npz", train_ids=seqs.ids, train_offsets=seqs.offsets)
+    np.savez(tmp_path / "s.npz", **flat_split("train", rows))
     assert [r.tolist() for r in read_split(tmp_path / "s.npz", "train")] == rows
 
 
