@@ -26,7 +26,7 @@ bulk, e.g. on a GPU) instead of the engine; its held-out chats are then scored
 after training (each draft step's top-1 agreement with the target, prompt
 positions included, so it reads higher than the engine's acceptance). The
 shipped models/smollm2-eagle was trained that way on an H200 from the answers
-to all 6,048 training prompts (the commands are in its training_info.json).
+to all 11,136 training prompts (the commands are in its training_info.json).
 
 Data: windows of the given text files (default: the standard library files
 of the default model's training split, tools/lm_data.py), plus, with
