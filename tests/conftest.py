@@ -13,15 +13,20 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 _LAYOUTS = pytest.StashKey[str]()
+_CONFIGS = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The serving layouts the tests' loads store (esurge.models.layout_cache)
-    # go to a directory of this run's own, removed at its end: a test run
-    # neither fills nor evicts the user's cache. Servers the tests start inherit it.
+    # The serving layouts and GGUF config records the tests' loads store
+    # (esurge.models.layout_cache, esurge.models.config_record) go to
+    # directories of this run's own, removed at its end: a test run neither
+    # fills nor evicts the user's caches. Servers the tests start inherit them.
     if "ESURGE_LAYOUT_CACHE" not in os.environ:
         config.stash[_LAYOUTS] = tempfile.mkdtemp(prefix="esurge-test-layouts-")
         os.environ["ESURGE_LAYOUT_CACHE"] = config.stash[_LAYOUTS]
+    if "ESURGE_CONFIG_CACHE" not in os.environ:
+        config.stash[_CONFIGS] = tempfile.mkdtemp(prefix="esurge-test-configs-")
+        os.environ["ESURGE_CONFIG_CACHE"] = config.stash[_CONFIGS]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -30,6 +35,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
         wait_for_writes()
         shutil.rmtree(config.stash[_LAYOUTS], ignore_errors=True)
+    if _CONFIGS in config.stash:
+        shutil.rmtree(config.stash[_CONFIGS], ignore_errors=True)
 
 
 # The tensor-parallel tests need 8 (simulated) devices, a count fixed when the

@@ -209,6 +209,11 @@ class HFDirectorySource:
 _KEPT_OPEN: dict[tuple[str, int, int], GGUFCheckpoint] = {}
 
 
+def _num_layers_of(hf_config: Any) -> int:
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return int(text.num_hidden_layers)
+
+
 def _file_key(path: Path) -> tuple[str, int, int]:
     stat = path.stat()
     return str(path.resolve()), stat.st_size, stat.st_mtime_ns
@@ -228,15 +233,18 @@ class GGUFSource:
             _KEPT_OPEN[key] = self.gguf
         self._read: Any = None
         self._codes: Any = None
-        self._num_layers: Any = None
+        self._num_layers: int | None = None
         self._last: tuple[str, np.ndarray] | None = None
 
     def hf_config(self) -> Any:
         config = self.gguf.hf_config()
-        text = getattr(config, "text_config", None) or config
-        self._num_layers = int(text.num_hidden_layers)
-        self._read = self.gguf.tensor_reader(self._num_layers)
+        self._num_layers = _num_layers_of(config)
         return config
+
+    def _layers(self) -> int:
+        if self._num_layers is None:
+            return _num_layers_of(self.hf_config())
+        return self._num_layers
 
     def eos_token_ids(self, hf_config: Any) -> tuple[int, ...]:
         return _unique_ints([*_config_eos(hf_config), *self.gguf.end_of_turn_ids])
@@ -250,8 +258,10 @@ class GGUFSource:
         return "float16" if types else "float32"
 
     def read(self, name: str) -> np.ndarray:
+        # Made on first use: a load whose layout comes from the layout cache
+        # reads no tensor, and the reader's transformers processors import torch.
         if self._read is None:
-            self.hf_config()
+            self._read = self.gguf.tensor_reader(self._layers())
         try:
             return self._read(name)  # type: ignore[no-any-return]
         except KeyError:
@@ -272,9 +282,7 @@ class GGUFSource:
 
     def read_codes(self, name: str) -> WeightCodes | None:
         if self._codes is None:
-            if self._num_layers is None:
-                self.hf_config()
-            self._codes = self.gguf.code_reader(self._num_layers)
+            self._codes = self.gguf.code_reader(self._layers())
         try:
             return self._codes(name)  # type: ignore[no-any-return]
         except KeyError:

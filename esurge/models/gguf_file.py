@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from esurge.models.config_record import config_for_model
 from esurge.models.weight_codes import WeightCodes, weight_codes
 
 __all__ = [
@@ -236,11 +237,9 @@ class GGUFCheckpoint:
         return config
 
     def hf_config(self) -> Any:
-        """A transformers config of the model this file holds."""
-        from transformers import AutoConfig
-
-        kwargs = dict(self._config_dict)
-        return AutoConfig.for_model(self.family.model_type, **kwargs)
+        """A transformers config of the model this file holds (a `ConfigRecord` of
+        it when an earlier start stored one: esurge.models.config_record)."""
+        return config_for_model(self.family.model_type, self._config_dict)
 
     # ---- tokenizer -----------------------------------------------------------
 
