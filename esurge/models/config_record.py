@@ -47,9 +47,13 @@ class ConfigRecord:
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return self._values[name]
-        except KeyError:
+            # Not self._values: before __init__ (copy, pickle) that would recurse here.
+            return object.__getattribute__(self, "_values")[name]
+        except (AttributeError, KeyError):
             raise AttributeError(name) from None
+
+    def __reduce__(self) -> tuple[type[ConfigRecord], tuple[dict[str, Any]]]:
+        return ConfigRecord, (self._values,)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"a stored config is read-only (tried to set {name!r})")

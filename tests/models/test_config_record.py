@@ -3,7 +3,9 @@ classes build, for every family we serve, and a bad record only costs a rebuild.
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from pathlib import Path
 
 import gguf
@@ -88,3 +90,6 @@ def test_a_record_is_read_only() -> None:
     values = record.to_dict()
     values["hidden_size"] = 1
     assert record.hidden_size == 64
+    # Copied and pickled whole, as a transformers config can be.
+    for twin in (copy.deepcopy(record), pickle.loads(pickle.dumps(record))):
+        assert twin.to_dict() == {"model_type": "llama", "hidden_size": 64}
