@@ -121,7 +121,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="esurge-first-contact-"))
     env = {**os.environ, "ESURGE_COMPILE_CACHE": str(work / "xla"),
            "ESURGE_KERNEL_CACHE": str(work / "kernels"),
-           "ESURGE_LAYOUT_CACHE": str(work / "layouts"), "JAX_PLATFORMS": "cpu"}
+           "ESURGE_LAYOUT_CACHE": str(work / "layouts"),
+           "ESURGE_CONFIG_CACHE": str(work / "configs"), "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     starts = []
     for i in range(1 + args.restarts):
