@@ -87,9 +87,15 @@ class StepCosts:
 @dataclass(slots=True)
 class Acceptance:
     """Per draft position j, the chance that draft j is accepted once drafts 1..j-1
-    were: decayed counts, so the estimate follows the workload, shrunk towards
-    `prior` by `prior_weight` pseudo-verifications (a position not drafted for a
-    while drifts back to the prior and gets tried again)."""
+    were: decayed counts, so the estimate follows the workload, shrunk by
+    `prior_weight` pseudo-verifications towards the estimate of position j - 1
+    (position 1: towards `prior`). A position not drafted yet is assumed to
+    accept as the one before it does: with a fixed prior for it, a head whose
+    first drafts were accepted more often than the prior said kept being given
+    one draft (the SmolLM2 head: 1.2 drafts a step, 101-109 tok/s at batch 1,
+    against 135 with 4), since the later positions, never drafted, could not
+    show otherwise. A position not drafted for a while drifts back to its
+    predecessor's estimate and gets tried again."""
 
     k: int
     prior: float = 0.6
@@ -118,17 +124,24 @@ class Acceptance:
                 if j < accepted:
                     self.accepted[j] += 1.0
 
+    def rates(self, drafts: int) -> list[float]:
+        """The estimates for draft positions 1..drafts."""
+        estimates, before = [], self.prior
+        for j in range(drafts):
+            before = ((self.accepted[j] + before * self.prior_weight)
+                      / (self.reached[j] + self.prior_weight))
+            estimates.append(before)
+        return estimates
+
     def rate(self, position: int) -> float:
         """The estimate for draft `position` (1-based)."""
-        j = position - 1
-        return ((self.accepted[j] + self.prior * self.prior_weight)
-                / (self.reached[j] + self.prior_weight))
+        return self.rates(position)[-1]
 
     def expected_tokens(self, drafts: int) -> float:
         """Tokens a request gains from a step verifying `drafts` drafts."""
         total, chain = 1.0, 1.0
-        for position in range(1, drafts + 1):
-            chain *= self.rate(position)
+        for rate in self.rates(drafts):
+            chain *= rate
             total += chain
         return total
 

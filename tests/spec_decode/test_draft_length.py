@@ -41,10 +41,29 @@ def test_acceptance_counts_the_drafts_actually_tested() -> None:
     acc.record([(4, 2)])
     assert acc.reached == [1.0, 1.0, 1.0, 0.0]
     assert acc.accepted == [1.0, 1.0, 0.0, 0.0]
-    assert acc.rate(1) == pytest.approx(0.75) and acc.rate(3) == pytest.approx(0.25)
-    assert acc.rate(4) == pytest.approx(0.5)  # the prior, untested
+    # Each position shrinks towards the estimate before it (position 1: the prior).
+    assert acc.rate(1) == pytest.approx((1 + 0.5) / 2)
+    assert acc.rate(2) == pytest.approx((1 + 0.75) / 2)
+    assert acc.rate(3) == pytest.approx((0 + 0.875) / 2)
+    assert acc.rate(4) == pytest.approx(acc.rate(3))  # untested: as the one before
     assert acc.expected_tokens(0) == 1.0
-    assert acc.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 ** 2)
+    assert acc.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 0.875)
+
+
+def test_positions_never_drafted_are_assumed_to_accept_as_the_one_before() -> None:
+    # A pessimistic prior (0.3) and a head whose single drafts are mostly accepted:
+    # the later positions follow position 1, so longer chains get tried.
+    acc = Acceptance(k=4, prior=0.3, decay=1.0)
+    for _ in range(40):
+        acc.record([(1, 1), (1, 1), (1, 1), (1, 0)])
+    assert acc.rate(1) > 0.7
+    assert [acc.rate(j) for j in (2, 3, 4)] == pytest.approx([acc.rate(1)] * 3)
+    lengths = DraftLength(_costs(1.0, 0.01, 0.05), acc)
+    assert lengths.best(1) == 4
+    # Once position 2 is measured refusing, it is no longer assumed good.
+    for _ in range(40):
+        acc.record([(4, 1)])
+    assert acc.rate(2) < 0.2 and lengths.best(1) == 1
 
 
 def test_acceptance_forgets_old_steps() -> None:
