@@ -104,14 +104,19 @@ class ConfigRecords:
 
     def write(self, digest: str, values: Mapping[str, Any]) -> None:
         """Store a built config's values (atomically; a failure only costs the next start)."""
+        temp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd, temp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(fd, "w") as out:
                 json.dump(values, out, sort_keys=True)
             os.replace(temp, self.directory / f"{digest}.json")
+            temp = None
         except (OSError, TypeError, ValueError) as err:
             log.warning("config record not written to %s: %s", self.directory, err)
+        finally:
+            if temp is not None:
+                Path(temp).unlink(missing_ok=True)
 
 
 def config_for_model(model_type: str, values: Mapping[str, Any]) -> Any:

@@ -75,6 +75,13 @@ def test_records_off_when_the_variable_is_empty(tmp_path: Path,
         assert not isinstance(GGUFCheckpoint(path).hf_config(), ConfigRecord)
 
 
+def test_a_config_that_cannot_be_stored_leaves_nothing(tmp_path: Path) -> None:
+    records = ConfigRecords(tmp_path)
+    records.write("x", {"model_type": "llama", "odd": object()})  # not JSON
+    assert list(tmp_path.iterdir()) == []
+    assert records.read("x") is None
+
+
 def test_the_digest_follows_every_value_and_the_family() -> None:
     base = ConfigRecords.digest("llama", {"hidden_size": 64, "rope_theta": 10000.0})
     assert base == ConfigRecords.digest("llama", {"rope_theta": 10000.0, "hidden_size": 64})
