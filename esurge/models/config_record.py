@@ -119,17 +119,22 @@ class ConfigRecords:
                 Path(temp).unlink(missing_ok=True)
 
 
+def _built(model_type: str, values: Mapping[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type, **values)
+
+
 def config_for_model(model_type: str, values: Mapping[str, Any]) -> Any:
     """transformers' config of `model_type` built from `values`, read from its
     record when an earlier start stored one (a `ConfigRecord`)."""
     records = ConfigRecords.from_env()
-    digest = records.digest(model_type, values) if records is not None else ""
-    stored = records.read(digest) if records is not None else None
+    if records is None:
+        return _built(model_type, values)
+    digest = records.digest(model_type, values)
+    stored = records.read(digest)
     if stored is not None:
         return stored
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(model_type, **values)
-    if records is not None:
-        records.write(digest, config.to_dict())
+    config = _built(model_type, values)
+    records.write(digest, config.to_dict())
     return config
