@@ -22,8 +22,9 @@ from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfi
 from esurge.models.loader import LoadedModel
 from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleState
+from tools.eagle_answers import read_split
 from tools.eagle_data import PAGE_SIZE, FeatureSet, TargetFeatures, draft_vocabulary
-from tools.eagle_training import Labels
+from tools.eagle_training import Labels, LossWeights, head_loss
 
 __all__ = ["answered", "chat_batches", "chat_config", "chat_data", "chat_sequences",
            "evaluate_chat", "heldout_accuracy"]
@@ -102,8 +103,6 @@ def chat_data(args: argparse.Namespace, target: LoadedModel, config: EagleConfig
 
 def answered(path: Path, split: str, start: int, stop: int) -> list[np.ndarray]:
     """Chats start..stop of a split of a tools/eagle_answers.py answer file."""
-    from tools.eagle_answers import read_split
-
     chats = read_split(path, split)
     if len(chats) < stop:
         raise ValueError(f"{path} holds {len(chats)} {split} chats, fewer than the {stop} asked")
@@ -119,8 +118,6 @@ def heldout_accuracy(args: argparse.Namespace, target: LoadedModel, head: EagleS
     which the head predicts easily), so it reads well above the acceptance
     the engine measures on answers (0.71 for the first step of a head whose
     engine acceptance length at k = 4 was 2.1)."""
-    from tools.eagle_training import LossWeights, head_loss
-
     with np.load(args.answers) as data:
         count = len(data["heldout_offsets"]) - 1
     if count < args.batch_size:
