@@ -79,7 +79,7 @@ def _panels(codes: WeightCodes, gate_up: int | None) -> tuple[jnp.ndarray, ...]:
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0", "Q5_1"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 17])
 def test_coded_kernel_is_bit_identical_to_the_float32_panel_kernel(kind: str,
                                                                    rows: int) -> None:
     rng = np.random.default_rng(rows)

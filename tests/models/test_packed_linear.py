@@ -132,6 +132,21 @@ def test_a_rows_result_does_not_depend_on_its_neighbours() -> None:
         np.testing.assert_array_equal(batch[i], alone[0])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9])
+def test_a_few_rows_give_the_same_products_as_a_full_batch(rows: int) -> None:
+    # A step of a few rows (decode, draft verification) runs other register
+    # tiles than a full batch does (with AVX2 only: half panels for 3 to 6
+    # rows); every product must be the same to the bit, SiLU epilogue included.
+    x, w = _operands(32, 96, 140, seed=rows)
+    few = jnp.asarray(x[:rows])
+    packed, gate_up = pack_weight(jnp.asarray(w)), pack_gate_up(jnp.asarray(w), 70)
+    np.testing.assert_array_equal(np.asarray(packed_matmul(few, packed, 140)),
+                                  np.asarray(packed_matmul(jnp.asarray(x), packed, 140))[:rows])
+    np.testing.assert_array_equal(
+        np.asarray(packed_silu_mul(few, gate_up, 70)),
+        np.asarray(packed_silu_mul(jnp.asarray(x), gate_up, 70))[:rows])
+
+
 def test_kernel_rejects_mismatched_shapes() -> None:
     x = jnp.zeros((4, 16), jnp.float32)
     packed = pack_weight(jnp.zeros((12, 64), jnp.float32))  # K = 12, not 16

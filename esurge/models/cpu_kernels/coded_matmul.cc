@@ -120,19 +120,35 @@ struct CodedRows {
       b[v] = LoadVec(s + col) * code + LoadVec(o + col);
     }
   }
+
+  // Columns [H * kLanes, (H + 1) * kLanes) of row k, expanded as Load does:
+  // with 4 bits, half H is the low (H = 0) or high (H = 1) nibbles of the
+  // row's kLanes bytes.
+  template <int H>
+  inline void LoadHalf(int64_t k, Vec* b) const {
+    const uint8_t* q = codes + k * kRowBytes;
+    const float* s = scale + k / kBlock * kPanel + H * kLanes;
+    const float* o = offset + k / kBlock * kPanel + H * kLanes;
+    for (int v = 0; v < kHalfVecs; ++v) {
+      Vec code;
+      if constexpr (kBits == 4) {
+        code = CodesAsFloats<4, H == 1>(q + v * kNative);
+      } else {
+        code = CodesAsFloats<8, false>(q + H * kLanes + v * kNative);
+      }
+      b[v] = LoadVec(s + v * kNative) * code + LoadVec(o + v * kNative);
+    }
+  }
 };
 
-// The rows [r0, r1) of panel p. One row tile reads the codes directly; more
-// expand the panel once into this thread's scratch (it stays in cache for
-// every row tile of the chunk). Both multiply the same float32 values
-// through the same tiles.
+// The rows [r0, r1) of panel p. Up to kFewRows rows read the codes directly
+// (one pass over the panel); more expand the panel once into this thread's
+// scratch (it stays in cache for every row tile of the chunk). Both multiply
+// the same float32 values in the same order.
 template <int kBits>
 void Chunk(const Problem& pb, const Codes& c, int64_t p, int64_t r0, int64_t r1) {
   const CodedRows<kBits> coded(c, p);
-  if (r1 - r0 <= kRowTile) {
-    if (r1 - r0 == kRowTile) return Tile<kRowTile>(pb, coded, r0, p);
-    return TailTile(pb, coded, r0, p, static_cast<int>(r1 - r0));
-  }
+  if (r1 - r0 <= kFewRows) return FewRows(pb, coded, r0, p, static_cast<int>(r1 - r0));
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(c.k * kPanel));
   for (int64_t k = 0; k < c.k; ++k) {

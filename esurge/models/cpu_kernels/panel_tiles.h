@@ -59,6 +59,20 @@ constexpr int kRowTile = 8;
 constexpr int kRowTile = 2;
 #endif
 
+constexpr int kHalfVecs = kPanelVecs / 2;  // vectors per half panel (kLanes columns)
+
+// Rows that one pass over a panel's rows serves (FewRows). With AVX2's 16
+// registers a full panel row (4 vectors) leaves room for 2 rows of
+// accumulators; a half panel (2 vectors) for 6 (12 accumulators + 2 + a
+// broadcast). So 3 to 6 rows run as two half-panel passes: each panel row is
+// read (or, coded, expanded) once for all of them, where 2-row tiles read it
+// once per tile, and a coded panel had to be expanded to memory first.
+#if defined(__AVX512F__)
+constexpr int kFewRows = kRowTile;
+#else
+constexpr int kFewRows = 6;
+#endif
+
 // How far ahead (in k) the first row tile of a panel asks for panel rows.
 constexpr int kPrefetchRows = 16;
 constexpr int64_t kRowChunk = 256;
@@ -94,30 +108,21 @@ struct PanelRows {
       __builtin_prefetch(panel + (k + kPrefetchRows) * kPanel + kLanes);
     }
   }
+
+  // Columns [H * kLanes, (H + 1) * kLanes) of panel row k: kHalfVecs vectors.
+  template <int H>
+  inline void LoadHalf(int64_t k, Vec* b) const {
+    const float* row = panel + k * kPanel + H * kLanes;
+    for (int v = 0; v < kHalfVecs; ++v) b[v] = LoadVec(row + v * kNative);
+    if (prefetch) __builtin_prefetch(row + kPrefetchRows * kPanel);
+  }
 };
 
-// y[rows, panel columns] for MR rows starting at row r0 of panel p, the
-// panel's rows from `rows.Load(k, b)`.
-template <int MR, typename Rows>
-void Tile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p) {
-  const float* x = pb.x + r0 * pb.k;
-  Vec acc[MR][kPanelVecs];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec{};
-  for (int64_t k = 0; k < pb.k; ++k) {
-    Vec b[kPanelVecs];
-    panel_rows.Load(k, b);
-    for (int r = 0; r < MR; ++r) {
-      const Vec a = Broadcast(x[r * pb.k + k]);
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += a * b[v];
-    }
-  }
-  // Each row's panel of results as plain floats: [0, kLanes) is the first
-  // half (gate, with silu_mul), [kLanes, kPanel) the second (up).
-  float rows[MR][kPanel];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < kPanelVecs; ++v)
-      std::memcpy(rows[r] + v * kNative, &acc[r][v], sizeof(Vec));
+// Writes MR rows of a panel's results (row r: rows[r], [0, kLanes) the first
+// half: gate with silu_mul, [kLanes, kPanel) the second: up) to y.
+template <int MR>
+inline void StoreRows(const Problem& pb, const float (&rows)[MR][kPanel], int64_t r0,
+                      int64_t p) {
   if (pb.silu_mul) {
     const int64_t col = p * kLanes;
     const int64_t width = std::min<int64_t>(kLanes, pb.n - col);
@@ -147,6 +152,63 @@ void Tile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p) {
   }
 }
 
+// y[rows, panel columns] for MR rows starting at row r0 of panel p, the
+// panel's rows from `rows.Load(k, b)`.
+template <int MR, typename Rows>
+void Tile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p) {
+  const float* x = pb.x + r0 * pb.k;
+  Vec acc[MR][kPanelVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec{};
+  for (int64_t k = 0; k < pb.k; ++k) {
+    Vec b[kPanelVecs];
+    panel_rows.Load(k, b);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Broadcast(x[r * pb.k + k]);
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  // Each row's panel of results as plain floats: [0, kLanes) is the first
+  // half (gate, with silu_mul), [kLanes, kPanel) the second (up).
+  float rows[MR][kPanel];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kPanelVecs; ++v)
+      std::memcpy(rows[r] + v * kNative, &acc[r][v], sizeof(Vec));
+  StoreRows<MR>(pb, rows, r0, p);
+}
+
+// Half H of MR rows' results (columns [H * kLanes, (H + 1) * kLanes)) into rows.
+template <int MR, int H, typename Rows>
+inline void HalfPass(const Problem& pb, const Rows& panel_rows, const float* x,
+                     float (&rows)[MR][kPanel]) {
+  Vec acc[MR][kHalfVecs];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kHalfVecs; ++v) acc[r][v] = Vec{};
+  for (int64_t k = 0; k < pb.k; ++k) {
+    Vec b[kHalfVecs];
+    panel_rows.template LoadHalf<H>(k, b);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Broadcast(x[r * pb.k + k]);
+      for (int v = 0; v < kHalfVecs; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < kHalfVecs; ++v)
+      std::memcpy(rows[r] + H * kLanes + v * kNative, &acc[r][v], sizeof(Vec));
+}
+
+// y[rows, panel columns] for MR rows, one half panel at a time (kFewRows).
+// Each output is the same multiply-add chain over k as in Tile, so the two
+// give identical results.
+template <int MR, typename Rows>
+void HalfTile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p) {
+  const float* x = pb.x + r0 * pb.k;
+  float rows[MR][kPanel];
+  HalfPass<MR, 0>(pb, panel_rows, x, rows);
+  HalfPass<MR, 1>(pb, panel_rows, x, rows);
+  StoreRows<MR>(pb, rows, r0, p);
+}
+
 // The leftover rows (M mod kRowTile) as one narrower tile.
 template <typename Rows>
 inline void TailTile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p, int rows) {
@@ -162,6 +224,26 @@ inline void TailTile(const Problem& pb, const Rows& panel_rows, int64_t r0, int6
 #endif
     default: return;
   }
+}
+
+// Rows [r0, r0 + rows) of panel p, 1 <= rows <= kFewRows, in one pass over the
+// panel's rows.
+template <typename Rows>
+inline void FewRows(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p, int rows) {
+#if defined(__AVX512F__)
+  if (rows == kRowTile) return Tile<kRowTile>(pb, panel_rows, r0, p);
+  return TailTile(pb, panel_rows, r0, p, rows);
+#else
+  switch (rows) {
+    case 1: return Tile<1>(pb, panel_rows, r0, p);
+    case 2: return Tile<2>(pb, panel_rows, r0, p);
+    case 3: return HalfTile<3>(pb, panel_rows, r0, p);
+    case 4: return HalfTile<4>(pb, panel_rows, r0, p);
+    case 5: return HalfTile<5>(pb, panel_rows, r0, p);
+    case 6: return HalfTile<6>(pb, panel_rows, r0, p);
+    default: return;
+  }
+#endif
 }
 
 }  // namespace panel
