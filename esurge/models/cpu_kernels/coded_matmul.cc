@@ -157,9 +157,9 @@ void Chunk(const Problem& pb, const Codes& c, int64_t p, int64_t r0, int64_t r1)
     std::memcpy(&scratch[k * kPanel], row, sizeof(row));
   }
   const PanelRows expanded{scratch.data(), false};
-  int64_t r = r0;
-  for (; r + kRowTile <= r1; r += kRowTile) Tile<kRowTile>(pb, expanded, r, p);
-  if (r < r1) TailTile(pb, expanded, r, p, static_cast<int>(r1 - r));
+  for (int64_t r = r0; r < r1; r += kFewRows) {
+    FewRows(pb, expanded, r, p, static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
+  }
 }
 
 // Work items as in packed_matmul.cc: (row chunk, panel), panels fastest.

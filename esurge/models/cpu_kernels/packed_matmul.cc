@@ -49,14 +49,11 @@ void Items(const Problem& pb, const float* w, int64_t num_panels, int64_t begin,
   for (int64_t item = begin; item < end; ++item) {
     const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
     const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
-    int64_t r = r0;
     const float* panel = w + p * pb.k * kPanel;
-    if (r1 - r0 <= kFewRows) {
-      FewRows(pb, PanelRows{panel, true}, r0, p, static_cast<int>(r1 - r0));
-      continue;
+    for (int64_t r = r0; r < r1; r += kFewRows) {
+      FewRows(pb, PanelRows{panel, r == r0}, r, p,
+              static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
     }
-    for (; r + kRowTile <= r1; r += kRowTile) Tile<kRowTile>(pb, PanelRows{panel, r == r0}, r, p);
-    if (r < r1) TailTile(pb, PanelRows{panel, r == r0}, r, p, static_cast<int>(r1 - r));
   }
 }
 
