@@ -8,9 +8,10 @@ request, where aj is the chance that draft j is accepted once drafts
 count (`StepCosts`, the runner's calibration), because on a CPU they are
 far from linear in rows: the matmul kernels run rows in tiles (6 or 8 rows
 a pass over the weights), so a step of 5 rows can cost what 6 do, and each
-pass over the weights costs about what a 1-row step does. The acceptance is measured online (`Acceptance`). `DraftLength` picks the d
-with the best tokens per second, and says what that rate is against a
-plain step's, which the speculation policy uses where it has not measured.
+pass over the weights costs about what a 1-row step does. The acceptance
+is measured online (`Acceptance`). `DraftLength` picks the d with the best
+tokens per second, and says what that rate is against a plain step's,
+which the speculation policy uses where it has not measured.
 """
 
 from __future__ import annotations
