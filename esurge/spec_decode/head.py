@@ -72,8 +72,11 @@ class _MLP(nnx.Module):
         self.down_proj = _linear(i, h, bias=bias, dtype=dtype, packed=packed)
         self.activation = config.activation
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [T, H]
-        return self.down_proj(_activate(self.activation, self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
+                 ) -> jax.Array:  # [T, H]
+        gated = (_activate(self.activation, self.gate_proj(x, num_rows))
+                 * self.up_proj(x, num_rows))
+        return self.down_proj(gated, num_rows)
 
 
 class _Attention(nnx.Module):
@@ -88,13 +91,14 @@ class _Attention(nnx.Module):
         self.shape = (config.num_heads, config.num_kv_heads, d)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
-                 layer: int) -> jax.Array:  # x: [T, in_features] -> [T, H]
+                 layer: int, num_rows: jax.Array | None = None
+                 ) -> jax.Array:  # x: [T, in_features] -> [T, H]
         heads, kv_heads, d = self.shape
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).reshape(t, heads, d), *rope)
-        k = apply_rope(self.k_proj(x).reshape(t, kv_heads, d), *rope)
-        v = self.v_proj(x).reshape(t, kv_heads, d)
-        return self.o_proj(attend(layer, q, k, v).reshape(t, heads * d))
+        q = apply_rope(self.q_proj(x, num_rows).reshape(t, heads, d), *rope)
+        k = apply_rope(self.k_proj(x, num_rows).reshape(t, kv_heads, d), *rope)
+        v = self.v_proj(x, num_rows).reshape(t, kv_heads, d)
+        return self.o_proj(attend(layer, q, k, v).reshape(t, heads * d), num_rows)
 
 
 class _Eagle1Layer(nnx.Module):
@@ -108,10 +112,10 @@ class _Eagle1Layer(nnx.Module):
         self.mlp = _MLP(config, dtype=dtype, packed=packed)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
-                 layer: int) -> jax.Array:  # [T, H]
+                 layer: int, num_rows: jax.Array | None = None) -> jax.Array:  # [T, H]
         normed = x if self.input_layernorm is None else self.input_layernorm(x)
-        x = x + self.self_attn(normed, rope, attend, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(normed, rope, attend, layer, num_rows)
+        return x + self.mlp(self.post_attention_layernorm(x), num_rows)
 
 
 class _Eagle3Layer(nnx.Module):
@@ -127,12 +131,13 @@ class _Eagle3Layer(nnx.Module):
         self.norm_before_residual = config.norm_before_residual
 
     def __call__(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
-                 attend: Attend) -> jax.Array:  # [T, H], [T, H] -> [T, H]
+                 attend: Attend, num_rows: jax.Array | None = None
+                 ) -> jax.Array:  # [T, H], [T, H] -> [T, H]
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = jnp.concatenate([self.input_layernorm(embeds), normed], axis=-1)
-        x = residual + self.self_attn(x, rope, attend, 0)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = residual + self.self_attn(x, rope, attend, 0, num_rows)
+        return x + self.mlp(self.post_attention_layernorm(x), num_rows)
 
 
 class EagleHead(nnx.Module):
@@ -164,20 +169,24 @@ class EagleHead(nnx.Module):
             return self.embed_tokens(ids)
         return target.model.embed_tokens(ids)
 
-    def first_hidden(self, features: jax.Array) -> jax.Array:  # [T, F] -> [T, H]
-        """The hidden input of the first draft step from the target's features."""
+    def first_hidden(self, features: jax.Array, num_rows: jax.Array | None = None
+                     ) -> jax.Array:  # [T, F] -> [T, H]
+        """The hidden input of the first draft step from the target's features
+        (num_rows: rows at and past it are padding, which packed projections skip)."""
         if self.config.layout is EagleLayout.EAGLE3:
-            return self.fc(features.astype(self.dtype))
+            return self.fc(features.astype(self.dtype), num_rows)
         return features.astype(self.dtype)
 
     def step(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
-             attend: Attend) -> jax.Array:  # [T, H], [T, H] -> [T, H]
-        """One draft step; the result feeds the next step and the LM head."""
+             attend: Attend, num_rows: jax.Array | None = None
+             ) -> jax.Array:  # [T, H], [T, H] -> [T, H]
+        """One draft step; the result feeds the next step and the LM head. Packed
+        projections skip rows at and past num_rows (padding)."""
         if self.config.layout is EagleLayout.EAGLE3:
-            return self.midlayer(hidden, embeds.astype(hidden.dtype), rope, attend)
-        x = self.fc(jnp.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1))
+            return self.midlayer(hidden, embeds.astype(hidden.dtype), rope, attend, num_rows)
+        x = self.fc(jnp.concatenate([embeds.astype(hidden.dtype), hidden], axis=-1), num_rows)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, attend, i)
+            x = layer(x, rope, attend, i, num_rows)
         return x
 
     def logits(self, hidden: jax.Array, target: Any) -> jax.Array:

@@ -153,7 +153,11 @@ def _first_pass(head: EagleHead, target: Any, cache: DraftKVCache, batch: DraftB
     metadata = AttentionMetadata(positions, req, jnp.asarray(batch.page_tables),
                                  jnp.asarray(batch.num_tokens))
     attend = _PagedAttend(cache, metadata, jnp.asarray(batch.slot_mapping), config, window)
-    hidden = head.step(head.first_hidden(features), head.embed(ids, target), rope, attend)
+    # Packed projections skip the bucket's padding rows (a decode step's few
+    # rows sit in a bucket of 16 or more).
+    real = jnp.asarray(batch.num_tokens)
+    hidden = head.step(head.first_hidden(features, real), head.embed(ids, target), rope, attend,
+                       real)
     last = jnp.clip(jnp.asarray(batch.first_row) + num_out - 1, 0, hidden.shape[0] - 1)
     return hidden[last], positions[last], attend.cache()
 

@@ -1,0 +1,69 @@
+"""A head whose projections sit in the CPU kernels' panels (how it is served
+beside a packed target on one device) drafts what the checkpoint's layout
+does, and its draft pass skips the bucket's padding rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from esurge.models import load_model
+from esurge.models.cpu_kernels import kernel_available
+from esurge.models.rope import rope_cos_sin
+from esurge.spec_decode.checkpoint import load_eagle_head
+from esurge.spec_decode.head import EagleHead
+
+REPO = Path(__file__).resolve().parents[2]
+HEAD = REPO / "models" / "tiny-stdlib-eagle"
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler here")
+
+
+def _draft_pass(head: EagleHead, target: Any, features: jax.Array, ids: jax.Array,
+                real: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """(hidden [T, H], draft logits [T, Vd]) of one pass with attention to itself only."""
+    rows, d = features.shape[0], head.config.head_dim
+    positions = jnp.arange(rows, dtype=jnp.int32)
+    rope = rope_cos_sin(head.config.rope, d, positions, positions + 1)
+
+    def attend(layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        group = q.shape[1] // v.shape[1]
+        return jnp.repeat(v, group, axis=1)  # each row attends to its own position
+
+    hidden = head.step(head.first_hidden(features, real), head.embed(ids, target), rope, attend,
+                       real)
+    return hidden, head.logits(hidden, target)
+
+
+@pytest.mark.parametrize("rows", [7, 40])
+def test_packed_projections_draft_as_the_checkpoint_layout(rows: int) -> None:
+    target = load_model(REPO / "models" / "tiny-stdlib", "float32")
+    reference = load_eagle_head(HEAD, target.config).module()
+    packed = load_eagle_head(HEAD, target.config, "float32", pack=True).module()
+    rng = np.random.default_rng(rows)
+    features = jnp.asarray(rng.normal(size=(rows, reference.config.feature_size)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, reference.config.vocab_size, rows), jnp.int32)
+    real = rows - 3  # the last three rows are bucket padding
+    module = target.model_state.module()
+    want_hidden, want_logits = _draft_pass(reference, module, features, ids, None)
+    hidden, logits = _draft_pass(packed, module, features, ids, jnp.int32(real))
+    scale = float(np.abs(np.asarray(want_logits)).max())
+    np.testing.assert_allclose(np.asarray(hidden)[:real], np.asarray(want_hidden)[:real],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits)[:real], np.asarray(want_logits)[:real],
+                               rtol=1e-4, atol=1e-4 * scale)
+    assert (np.asarray(logits)[:real].argmax(-1)
+            == np.asarray(want_logits)[:real].argmax(-1)).all()
+    # num_rows reaches every projection: the real rows are those of a pass over
+    # all rows, bit for bit, and the padding rows are not.
+    every_hidden, _ = _draft_pass(packed, module, features, ids, None)
+    np.testing.assert_array_equal(np.asarray(hidden)[:real], np.asarray(every_hidden)[:real])
+    assert not np.allclose(np.asarray(hidden)[real:], np.asarray(every_hidden)[real:])
+    # The kernels never computed the padding rows: their projections are zeros.
+    padded = np.asarray(packed.fc(features.astype(packed.dtype), jnp.int32(real)))
+    assert not padded[real:].any()
