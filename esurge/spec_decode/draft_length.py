@@ -126,7 +126,9 @@ class Acceptance:
                     self.accepted[j] += 1.0
 
     def rates(self, drafts: int) -> list[float]:
-        """The estimates for draft positions 1..drafts."""
+        """The estimates for draft positions 1..drafts (0 <= drafts <= k)."""
+        if not 0 <= drafts <= self.k:
+            raise ValueError(f"drafts must be in 0..{self.k}, got {drafts!r}")
         estimates, before = [], self.prior
         for j in range(drafts):
             before = ((self.accepted[j] + before * self.prior_weight)
@@ -135,7 +137,9 @@ class Acceptance:
         return estimates
 
     def rate(self, position: int) -> float:
-        """The estimate for draft `position` (1-based)."""
+        """The estimate for draft `position` (1-based, at most k)."""
+        if not 1 <= position <= self.k:
+            raise ValueError(f"position must be in 1..{self.k}, got {position!r}")
         return self.rates(position)[-1]
 
     def expected_tokens(self, drafts: int) -> float:

@@ -50,6 +50,15 @@ def test_acceptance_counts_the_drafts_actually_tested() -> None:
     assert acc.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 0.875)
 
 
+def test_acceptance_refuses_positions_outside_the_drafts() -> None:
+    acc = Acceptance(k=4)
+    for position in (0, 5):
+        with pytest.raises(ValueError, match=r"position must be in 1\.\.4"):
+            acc.rate(position)
+    with pytest.raises(ValueError, match=r"drafts must be in 0\.\.4"):
+        acc.expected_tokens(5)
+
+
 def test_positions_never_drafted_are_assumed_to_accept_as_the_one_before() -> None:
     # A pessimistic prior (0.3) and a head whose single drafts are mostly accepted:
     # the later positions follow position 1, so longer chains get tried.
