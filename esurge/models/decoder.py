@@ -8,6 +8,8 @@ its own slot of the paged cache through its group's page table.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,7 +35,7 @@ from esurge.models.local_shards import Split
 from esurge.models.paged_attention import AttentionMetadata
 from esurge.models.rope import rope_cos_sin
 
-__all__ = ["CausalLM", "DecoderModel"]
+__all__ = ["CausalLM", "DecoderModel", "LayerCall", "inline_layer"]
 
 
 def _spec_matches(layer: LayerAttention, spec: AttentionSpec) -> bool:
@@ -65,6 +67,27 @@ def check_cache_layout(config: DecoderConfig, kv_cache: KVCache, batch: ForwardB
             f"batch has slot_mapping for {batch.slot_mapping.shape[0]} and page_tables for "
             f"{batch.page_tables.shape[0]} cache groups, the cache has {groups}"
         )
+
+
+class LayerCall(Protocol):
+    """How the forward runs decoder layer `index` (traced inline, or through a shared trace)."""
+
+    def __call__(self, index: int, layer: DecoderLayer,
+                 x: jax.Array,  # [T, hidden]
+                 rope: tuple[jax.Array, jax.Array],
+                 kv: tuple[jax.Array, jax.Array],
+                 metadata: AttentionMetadata,
+                 slot_mapping: jax.Array,  # [T]
+                 block_pages: int | None,
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]: ...
+
+
+def inline_layer(index: int, layer: DecoderLayer, x: jax.Array,  # [T, hidden]
+                 rope: tuple[jax.Array, jax.Array], kv: tuple[jax.Array, jax.Array],
+                 metadata: AttentionMetadata, slot_mapping: jax.Array,  # [T]
+                 block_pages: int | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """The layer traced in place, once per layer."""
+    return layer(x, rope, kv, metadata, slot_mapping, block_pages)
 
 
 class DecoderModel(nnx.Module):
@@ -105,8 +128,12 @@ class CausalLM(nnx.Module):
         kv_cache: KVCache,
         aux_hidden_layer_ids: tuple[int, ...],
         block_pages: int | None,
+        call_layer: LayerCall | None = None,
     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
-        """(final normed hidden [T, H], outputs of the aux layers [A, T, H] or None, new cache)."""
+        """(final normed hidden [T, H], outputs of the aux layers [A, T, H] or None, new cache).
+
+        call_layer runs layer i (default: traced in place, `inline_layer`)."""
+        call_layer = inline_layer if call_layer is None else call_layer
         config = self.config
         check_cache_layout(config, kv_cache, batch)
         positions, token_req = jnp.asarray(batch.positions), jnp.asarray(batch.token_req)
@@ -130,8 +157,9 @@ class CausalLM(nnx.Module):
             if rope not in tables:
                 tables[rope] = rope_cos_sin(rope, config.head_dim, positions, token_seq_lens)
             group, slot = kv_cache.layer_slots[i]
-            x, (k, v) = layer(x, tables[rope], (kv_cache.keys[slot], kv_cache.values[slot]),
-                              metadata[group], slot_mapping[group], block_pages)
+            x, (k, v) = call_layer(i, layer, x, tables[rope],
+                                   (kv_cache.keys[slot], kv_cache.values[slot]),
+                                   metadata[group], slot_mapping[group], block_pages)
             kv_cache = kv_cache.replace_slot(slot, k, v)
             if i in aux_hidden_layer_ids:
                 aux[i] = x

@@ -15,6 +15,7 @@ and use only the returned one afterwards. It compiles once per distinct
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -24,8 +25,10 @@ from flax import nnx
 from esurge.models.batch import ForwardBatch
 from esurge.models.decoder import CausalLM
 from esurge.models.kv_cache import KVCache
+from esurge.models.layers import DecoderLayer
+from esurge.models.paged_attention import AttentionMetadata
 
-__all__ = ["HashedGraph", "ModelState", "Params", "forward", "jit_forward"]
+__all__ = ["HashedGraph", "ModelState", "Params", "SharedLayerTraces", "forward", "jit_forward"]
 
 
 class HashedGraph:
@@ -40,11 +43,13 @@ class HashedGraph:
     on the 4M test model).
     """
 
-    __slots__ = ("_hash", "graphdef")
+    __slots__ = ("_hash", "graphdef", "layers")
 
     def __init__(self, graphdef: nnx.GraphDef[Any]) -> None:
         self.graphdef = graphdef
         self._hash = hash(graphdef)
+        # The decoder layers' own graphs (one object per distinct layer), once asked for.
+        self.layers: tuple[HashedGraph, ...] | None = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -97,6 +102,45 @@ class ModelState:
 jax.tree_util.register_pytree_node(ModelState, ModelState._flatten, ModelState._unflatten)
 
 
+@partial(jax.jit, static_argnums=(0, 1))
+def _shared_layer(graph: HashedGraph, block_pages: int | None, params: Params,
+                  x: jax.Array,  # [T, hidden]
+                  rope: tuple[jax.Array, jax.Array], kv: tuple[jax.Array, jax.Array],
+                  metadata: AttentionMetadata, slot_mapping: jax.Array,  # [T]
+                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    layer: DecoderLayer = nnx.merge(graph.graphdef, params)
+    return layer(x, rope, kv, metadata, slot_mapping, block_pages)
+
+
+class SharedLayerTraces:
+    """Runs each decoder layer as a nested jit keyed by the layer's graph.
+
+    Layers of one structure then share one trace and one lowering per step
+    program (jit caches the nested call by graph and shapes), where inline
+    they were traced one by one: 30 traced layers were most of a warm
+    restart's warm-up. XLA inlines the calls, so the compiled step is the
+    same program.
+    """
+
+    __slots__ = ("_graphs", "_params")
+
+    def __init__(self, model_state: ModelState, model: CausalLM) -> None:
+        static = model_state._static
+        if static.layers is None:
+            distinct: dict[HashedGraph, HashedGraph] = {}
+            static.layers = tuple(distinct.setdefault(g, g) for g in (
+                HashedGraph(nnx.graphdef(layer)) for layer in model.model.layers))
+        self._graphs = static.layers
+        self._params: dict[int, Params] = model_state.params["model"]["layers"]
+
+    def __call__(self, index: int, layer: DecoderLayer, x: jax.Array,  # [T, hidden]
+                 rope: tuple[jax.Array, jax.Array], kv: tuple[jax.Array, jax.Array],
+                 metadata: AttentionMetadata, slot_mapping: jax.Array,  # [T]
+                 block_pages: int | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        return _shared_layer(self._graphs[index], block_pages, self._params[index], x, rope,
+                             kv, metadata, slot_mapping)
+
+
 def _check_aux_ids(ids: tuple[int, ...], num_layers: int) -> None:
     if not isinstance(ids, tuple) or len(set(ids)) != len(ids):
         raise ValueError(f"aux_hidden_layer_ids must be a tuple of distinct ints, got {ids!r}")
@@ -128,7 +172,8 @@ def forward(
     """
     model = model_state.module()
     _check_aux_ids(aux_hidden_layer_ids, model.config.num_layers)
-    hidden, aux, kv_cache = model(batch, kv_cache, aux_hidden_layer_ids, block_pages)
+    hidden, aux, kv_cache = model(batch, kv_cache, aux_hidden_layer_ids, block_pages,
+                                  SharedLayerTraces(model_state, model))
     logits = model.compute_logits(hidden[batch.logits_indices],
                                   logits_rows(jnp.asarray(batch.logits_indices)))
     return logits, (hidden if aux is None else aux), kv_cache
