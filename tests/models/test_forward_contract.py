@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import numpy as np
 import pytest
 import torch
 
-from esurge.models import RequestChunk, build_forward_batch, init_kv_cache, jit_forward
+from esurge.models import RequestChunk, build_forward_batch, forward, init_kv_cache, jit_forward
 from tests.models.conftest import Pair
 from tests.models.paged import LOGITS, MAX_PAGES, PAGE_SIZE, REQS, TOKENS, PagedSession, Row
 from tests.models.test_parity import tokens
@@ -111,3 +112,23 @@ def test_equal_graphs_share_one_definition_after_the_first_comparison(
     assert first.graphdef is second.graphdef
     other = load_model(path, "bfloat16").model_state
     assert first._static != other._static  # other dtype: another graph
+
+
+@pytest.mark.parametrize(("family", "structures"), [("llama", 1), ("gemma3", 2)])
+def test_layers_of_one_structure_share_one_trace(make_pair: Callable[..., Pair], family: str,
+                                                 structures: int) -> None:
+    """Every layer is a nested call, and layers alike (Gemma 3: sliding or full) share its jaxpr."""
+    pair = make_pair(family)
+    state = pair.loaded.model_state
+    num_groups = 2 if family == "gemma3" else 1  # sliding and full layers: a group each
+    batch = build_forward_batch(
+        [RequestChunk(tokens(44, 5), 0, [list(range(1, 5))] * num_groups)],
+        page_size=PAGE_SIZE, num_groups=num_groups, num_tokens_bucket=8, num_reqs_bucket=2,
+        max_pages_per_req=8, num_logits_bucket=1,
+    )
+    groups = pair.loaded.cache_groups(8, PAGE_SIZE)
+    jaxpr = jax.make_jaxpr(forward)(state, init_kv_cache(groups), batch)
+    calls = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns
+             if e.params.get("name") == "_shared_layer"]
+    assert len(calls) == state.module().config.num_layers
+    assert len({id(call) for call in calls}) == structures
