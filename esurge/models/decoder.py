@@ -35,7 +35,7 @@ from esurge.models.local_shards import Split
 from esurge.models.paged_attention import AttentionMetadata
 from esurge.models.rope import rope_cos_sin
 
-__all__ = ["CausalLM", "DecoderModel", "LayerCall", "inline_layer"]
+__all__ = ["CausalLM", "DecoderModel", "LayerCall"]
 
 
 def _spec_matches(layer: LayerAttention, spec: AttentionSpec) -> bool:
@@ -72,7 +72,7 @@ def check_cache_layout(config: DecoderConfig, kv_cache: KVCache, batch: ForwardB
 class LayerCall(Protocol):
     """How the forward runs decoder layer `index` (traced inline, or through a shared trace)."""
 
-    def __call__(self, index: int, layer: DecoderLayer,
+    def __call__(self, index: int,
                  x: jax.Array,  # [T, hidden]
                  rope: tuple[jax.Array, jax.Array],
                  kv: tuple[jax.Array, jax.Array],
@@ -80,14 +80,6 @@ class LayerCall(Protocol):
                  slot_mapping: jax.Array,  # [T]
                  block_pages: int | None,
                  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]: ...
-
-
-def inline_layer(index: int, layer: DecoderLayer, x: jax.Array,  # [T, hidden]
-                 rope: tuple[jax.Array, jax.Array], kv: tuple[jax.Array, jax.Array],
-                 metadata: AttentionMetadata, slot_mapping: jax.Array,  # [T]
-                 block_pages: int | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """The layer traced in place, once per layer."""
-    return layer(x, rope, kv, metadata, slot_mapping, block_pages)
 
 
 class DecoderModel(nnx.Module):
@@ -132,8 +124,8 @@ class CausalLM(nnx.Module):
     ) -> tuple[jax.Array, jax.Array | None, KVCache]:
         """(final normed hidden [T, H], outputs of the aux layers [A, T, H] or None, new cache).
 
-        call_layer runs layer i (default: traced in place, `inline_layer`)."""
-        call_layer = inline_layer if call_layer is None else call_layer
+        call_layer runs layer i (default: this module's layer, traced in place)."""
+        call_layer = self._inline_layer if call_layer is None else call_layer
         config = self.config
         check_cache_layout(config, kv_cache, batch)
         positions, token_req = jnp.asarray(batch.positions), jnp.asarray(batch.token_req)
@@ -152,12 +144,12 @@ class CausalLM(nnx.Module):
                                       row_in_tiles=row_in_tiles)
                     for g in range(kv_cache.num_groups)]
         aux: dict[int, jax.Array] = {}
-        for i, layer in enumerate(self.model.layers):
+        for i in range(config.num_layers):
             rope = config.layers[i].rope
             if rope not in tables:
                 tables[rope] = rope_cos_sin(rope, config.head_dim, positions, token_seq_lens)
             group, slot = kv_cache.layer_slots[i]
-            x, (k, v) = call_layer(i, layer, x, tables[rope],
+            x, (k, v) = call_layer(i, x, tables[rope],
                                    (kv_cache.keys[slot], kv_cache.values[slot]),
                                    metadata[group], slot_mapping[group], block_pages)
             kv_cache = kv_cache.replace_slot(slot, k, v)
@@ -166,6 +158,13 @@ class CausalLM(nnx.Module):
         hidden = self.model.norm(x)
         stacked = jnp.stack([aux[i] for i in aux_hidden_layer_ids]) if aux else None
         return hidden, stacked, kv_cache
+
+    def _inline_layer(self, index: int, x: jax.Array,  # [T, hidden]
+                      rope: tuple[jax.Array, jax.Array], kv: tuple[jax.Array, jax.Array],
+                      metadata: AttentionMetadata, slot_mapping: jax.Array,  # [T]
+                      block_pages: int | None
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        return self.model.layers[index](x, rope, kv, metadata, slot_mapping, block_pages)
 
     def compute_logits(self, hidden: jax.Array,  # [L, H] -> [L, vocab] float32
                        num_rows: jax.Array | None = None,  # [] int32: rows past it are padding

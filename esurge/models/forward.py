@@ -15,6 +15,7 @@ and use only the returned one afterwards. It compiles once per distinct
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -28,7 +29,8 @@ from esurge.models.kv_cache import KVCache
 from esurge.models.layers import DecoderLayer
 from esurge.models.paged_attention import AttentionMetadata
 
-__all__ = ["HashedGraph", "ModelState", "Params", "SharedLayerTraces", "forward", "jit_forward"]
+__all__ = ["HashedGraph", "ModelState", "Params", "SharedLayerTraces", "SplitGraph", "forward",
+           "jit_forward"]
 
 
 class HashedGraph:
@@ -43,13 +45,12 @@ class HashedGraph:
     on the 4M test model).
     """
 
-    __slots__ = ("_hash", "graphdef", "layers")
+    __slots__ = ("_hash", "graphdef", "split")
 
     def __init__(self, graphdef: nnx.GraphDef[Any]) -> None:
         self.graphdef = graphdef
         self._hash = hash(graphdef)
-        # The decoder layers' own graphs (one object per distinct layer), once asked for.
-        self.layers: tuple[HashedGraph, ...] | None = None
+        self.split: SplitGraph | None = None  # a model's, once ModelState.shell asks for it
 
     def __hash__(self) -> int:
         return self._hash
@@ -63,6 +64,14 @@ class HashedGraph:
             return False
         other.graphdef = self.graphdef  # equal: compare by identity from now on
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class SplitGraph:
+    """A model's graph in parts: the model with no decoder layers, and each layer's graph."""
+
+    shell: nnx.GraphDef[CausalLM]
+    layers: tuple[HashedGraph, ...]  # one object per distinct layer structure
 
 
 Params = dict[str, Any]  # nested {module name: ... {param name: array}}, as nnx.to_pure_dict
@@ -88,6 +97,28 @@ class ModelState:
     def module(self) -> CausalLM:
         """The nnx module holding these parameters."""
         return nnx.merge(self.graphdef, self.params)
+
+    def shell(self) -> CausalLM:
+        """The module without its decoder layers (embedding, final norm, LM head).
+
+        Merging the whole module walks every layer's modules, most of the
+        cost of tracing a step once the layers share one trace; a step
+        program merges the shell and runs the layers with SharedLayerTraces.
+        """
+        model = {k: v for k, v in self.params["model"].items() if k != "layers"}
+        return nnx.merge(self.split_graph().shell, {**self.params, "model": model})
+
+    def split_graph(self) -> SplitGraph:
+        """The graph in parts, computed once per graph (shared by every trace)."""
+        static = self._static
+        if static.split is None:
+            model = self.module()
+            distinct: dict[HashedGraph, HashedGraph] = {}
+            layers = tuple(distinct.setdefault(g, g) for g in (
+                HashedGraph(nnx.graphdef(layer)) for layer in model.model.layers))
+            model.model.layers = nnx.List([])
+            static.split = SplitGraph(nnx.graphdef(model), layers)
+        return static.split
 
     def _flatten(self) -> tuple[tuple[Params], HashedGraph]:
         return (self.params,), self._static
@@ -124,16 +155,11 @@ class SharedLayerTraces:
 
     __slots__ = ("_graphs", "_params")
 
-    def __init__(self, model_state: ModelState, model: CausalLM) -> None:
-        static = model_state._static
-        if static.layers is None:
-            distinct: dict[HashedGraph, HashedGraph] = {}
-            static.layers = tuple(distinct.setdefault(g, g) for g in (
-                HashedGraph(nnx.graphdef(layer)) for layer in model.model.layers))
-        self._graphs = static.layers
+    def __init__(self, model_state: ModelState) -> None:
+        self._graphs = model_state.split_graph().layers
         self._params: dict[int, Params] = model_state.params["model"]["layers"]
 
-    def __call__(self, index: int, layer: DecoderLayer, x: jax.Array,  # [T, hidden]
+    def __call__(self, index: int, x: jax.Array,  # [T, hidden]
                  rope: tuple[jax.Array, jax.Array], kv: tuple[jax.Array, jax.Array],
                  metadata: AttentionMetadata, slot_mapping: jax.Array,  # [T]
                  block_pages: int | None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -170,10 +196,10 @@ def forward(
 
     block_pages: pages per attention step (None: sized to the token bucket).
     """
-    model = model_state.module()
+    model = model_state.shell()
     _check_aux_ids(aux_hidden_layer_ids, model.config.num_layers)
     hidden, aux, kv_cache = model(batch, kv_cache, aux_hidden_layer_ids, block_pages,
-                                  SharedLayerTraces(model_state, model))
+                                  SharedLayerTraces(model_state))
     logits = model.compute_logits(hidden[batch.logits_indices],
                                   logits_rows(jnp.asarray(batch.logits_indices)))
     return logits, (hidden if aux is None else aux), kv_cache

@@ -130,10 +130,11 @@ def model_step_features(
     if not feature_layers:
         logits, hidden, kv_cache = forward(model_state, kv_cache, batch)
         return logits, hidden, hidden, kv_cache
-    last = model_state.module().config.num_layers - 1
+    shell = model_state.shell()
+    last = shell.config.num_layers - 1
     wanted = tuple(sorted({*feature_layers, last}))
     logits, aux, kv_cache = forward(model_state, kv_cache, batch, aux_hidden_layer_ids=wanted)
-    hidden = model_state.module().model.norm(aux[wanted.index(last)])
+    hidden = shell.model.norm(aux[wanted.index(last)])
     features = jnp.concatenate([aux[wanted.index(i)] for i in feature_layers], axis=-1)
     return logits, hidden, features, kv_cache
 
@@ -165,5 +166,5 @@ def prompt_logprobs_step(
     top_n: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of prompt tokens: (ids [C, 1 + n], logprobs [C, 1 + n], ranks [C])."""
-    return host_visible(token_logprobs(model_state.module().compute_logits(hidden[rows]),
+    return host_visible(token_logprobs(model_state.shell().compute_logits(hidden[rows]),
                                        targets, top_n))

@@ -194,7 +194,7 @@ def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: Mod
     """The pass over the step's token rows and the first draft token (jitted per (T, R));
     `masked_draft_step` continues from it when drafts must follow a grammar. The
     cache is donated."""
-    head, target = head_state.module(), target_state.module()
+    head, target = head_state.module(), target_state.shell()
     hidden, pos, cache = _first_pass(head, target, cache, batch, features, out_tokens,
                                      num_out, window)
     token, probs = _draw(head.logits(hidden, target), jnp.asarray(batch.temperature),
@@ -217,7 +217,7 @@ def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: Mod
     drafts [R, 1 + max_steps] (and of their distributions) are zeros.
     """
     # page_tables: [R, P], live: [R] bool, temperature: [R], noise: [k, R, Vd] or None
-    head, target = head_state.module(), target_state.module()
+    head, target = head_state.module(), target_state.shell()
     config, d2t = head.config, head_state.d2t
     rows = jnp.arange(page_tables.shape[0])
 
@@ -277,7 +277,7 @@ def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state:
     """
     # page_tables: [R, P], live: [R] bool, temperature: [R], noise: [R, Vd] or None,
     # allowed: [R, W] int32 packed over the target vocabulary, advance: [] bool
-    head, target = head_state.module(), target_state.module()
+    head, target = head_state.module(), target_state.shell()
     config = head.config
     rows = jnp.arange(page_tables.shape[0])
     moving = live & advance
