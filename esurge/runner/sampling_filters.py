@@ -63,9 +63,14 @@ def _cut_from(tier: int, logits: jax.Array,  # [R, V]
               t: SamplingTensors, done: jax.Array,  # [R] bool: rows that need nothing here
               ) -> jax.Array:
     """The cut by the candidates of `tier`, the rows they leave unsettled by the
-    next tier's (the full sort after the last), each only when some row needs it."""
-    if tier == len(CANDIDATES) or (tier > 0 and CANDIDATES[tier - 1] >= logits.shape[-1]):
-        return sorted_cut(logits, t)  # the last tier, or the one before took every logit
+    next tier's (the full sort after the last), each only when some row needs it.
+
+    A tier as wide as the vocabulary is the full sort itself (the same cut,
+    bit for bit): the sort stands in for it, one program part fewer to
+    compile for every sampled variant (about 0.2 s each with a 4,096-token
+    vocabulary)."""
+    if tier == len(CANDIDATES) or CANDIDATES[tier] >= logits.shape[-1]:
+        return sorted_cut(logits, t)
     filtered, settled = _candidate_cut(logits, t, CANDIDATES[tier])
     settled = settled | done
     return jax.lax.cond(

@@ -81,3 +81,32 @@ def test_min_p_alone_skips_the_top_k_top_p_cut() -> None:
     got = np.asarray(apply_filters(logits, t))
     probs = np.asarray(jax.nn.softmax(logits, axis=-1))
     np.testing.assert_array_equal(np.isfinite(got), probs >= 0.2 * probs.max(-1, keepdims=True))
+
+
+def _primitives(jaxpr: jax.extend.core.Jaxpr, name: str) -> int:
+    """Equations of primitive `name` in a jaxpr and every jaxpr nested in it."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    count += _primitives(inner, name)
+    return count
+
+
+@pytest.mark.parametrize(("vocab", "top_ks"), [(VOCAB, 2), (WIDER, 1), (FIRST, 0)])
+def test_a_tier_as_wide_as_the_vocabulary_is_the_sort(vocab: int, top_ks: int) -> None:
+    """Candidate tiers narrower than the vocabulary, then the sort, which cuts as
+    the candidates would at full width."""
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(rng.standard_normal((3, vocab)) * 0.05, jnp.float32)
+    t = _tensors([vocab, vocab, 40], [0.999, 0.5, 1.0])
+    jaxpr = jax.make_jaxpr(apply_filters)(logits, t).jaxpr
+    assert _primitives(jaxpr, "top_k") == top_ks
+    assert _primitives(jaxpr, "sort") == 1
+    got = np.asarray(jax.jit(apply_filters)(logits, t))
+    want = _reference(logits, t)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
