@@ -18,12 +18,13 @@ from esurge.runner.sampler import (
     SamplerOutput,
     SamplerVariant,
     SamplingTensors,
+    apply_grammar,
     sample,
     token_logprobs,
 )
 
 __all__ = ["decode_burst_step", "model_step", "model_step_features", "pad_tokens",
-           "prompt_logprobs_step", "sample_step"]
+           "prompt_logprobs_step", "sample_step", "sampled_logprobs_step"]
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("layout",))
@@ -155,6 +156,21 @@ def sample_step(
     [feedback_size] the next model step reads (one dispatch, not two)."""
     out = host_visible(sample(logits, tensors, variant))
     return out, host_visible(pad_tokens(out.token_ids, feedback_size))
+
+
+@jax.jit
+def sampled_logprobs_step(
+    logits: jax.Array,  # [R, V] the model step's
+    allowed: jax.Array | None,  # [R, ceil(V / 32)] int32 packed grammar masks, as sampled
+    tokens: jax.Array,  # [R] int32 the sampled tokens
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(ids [R, 1 + n], logprobs [R, 1 + n], ranks [R]) of the sampled tokens: what a
+    logprobs sampler variant returns, as a program of its own so that the sampler
+    variants need not be compiled twice (with and without logprobs)."""
+    raw = logits.astype(jnp.float32)
+    if allowed is not None:
+        raw = apply_grammar(raw, allowed)
+    return host_visible(token_logprobs(raw, tokens))
 
 
 @partial(jax.jit, static_argnums=(4,))

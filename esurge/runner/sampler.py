@@ -41,7 +41,8 @@ Array = jax.Array | np.ndarray
 
 @dataclass(frozen=True, slots=True)
 class SamplerVariant:
-    """Static features a batch needs; each distinct value is one compiled program."""
+    """Static features a batch needs; each distinct value is one compiled program
+    (a plain sampled step compiles logprobs apart, device_step.sampled_logprobs_step)."""
 
     all_greedy: bool = True
     dense: bool = False  # penalties or an additive mask are present

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from esurge.runner.device_step import sampled_logprobs_step
 from esurge.runner.sampler import MAX_LOGPROBS, sample_jit
 from esurge.runner.sampling_batch import SamplingBatch
 from esurge.sampling_params import SamplingParams
@@ -240,3 +241,35 @@ def test_the_top_uniform_draw_never_picks_a_masked_token() -> None:
     tensors = batch.tensors(order, 1, np.zeros(1, np.int32), variant)
     tokens = sample_jit(jnp.zeros((1, vocab), jnp.float32), tensors, variant).token_ids
     assert int(tokens[0]) == 5
+
+
+def test_the_logprobs_program_gives_what_the_logprobs_variant_gives() -> None:
+    """The sampled step takes logprobs from a program of their own
+    (sampled_logprobs_step): the same ids, values and ranks as a sampler
+    variant with logprobs, over grammar-masked logits too."""
+    logits = np.random.default_rng(5).normal(size=(3, V)).astype(np.float32) * 3
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(seed=2, logprobs=3),
+              SamplingParams(temperature=0.8, top_p=0.9, logprobs=1)]
+    batch = SamplingBatch(3, V)
+    for i, p in enumerate(params):
+        batch.set_row(i, p, [0], [], None)
+    order = np.arange(3)
+    variant = batch.variant(order)
+    assert variant.logprobs
+    allowed = np.full((3, 1), -1, np.int32)
+    allowed[1, 0] = 0x0F0F0F0F  # a grammar allowing half the vocabulary
+    tensors = dataclasses.replace(batch.tensors(order, 3, np.zeros(3, np.int32), variant),
+                                  allowed=allowed)
+    want = sample_jit(jnp.asarray(logits), tensors, variant)
+    without = sample_jit(jnp.asarray(logits), tensors,
+                         dataclasses.replace(variant, logprobs=False))
+    np.testing.assert_array_equal(np.asarray(without.token_ids), np.asarray(want.token_ids))
+    assert without.logprobs is None
+    ids, lps, ranks = sampled_logprobs_step(jnp.asarray(logits), allowed, without.token_ids)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want.logprob_token_ids))
+    np.testing.assert_array_equal(np.asarray(ranks), np.asarray(want.ranks))
+    np.testing.assert_allclose(np.asarray(lps), np.asarray(want.logprobs), rtol=1e-6, atol=1e-6)
+    # The masked row: the grammar's tokens finite, the rest of its top ids -inf.
+    masked = [bool((0x0F0F0F0F >> int(t)) & 1) for t in np.asarray(ids)[1]]
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lps)[1]), masked)
+    assert not all(masked)

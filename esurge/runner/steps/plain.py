@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from esurge.outputs import ModelRunnerOutput, TokenLogprobs
-from esurge.runner.device_step import model_step, sample_step
+from esurge.runner.device_step import model_step, sample_step, sampled_logprobs_step
 from esurge.runner.host_read import to_host
 from esurge.runner.packed_inputs import pack_inputs
 from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors
@@ -218,8 +218,11 @@ class SampledStep:
         # The model step is queued: the masks are built while it runs.
         tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
                                       allowed=runner.grammar_feed.masks(inputs, plan.constrained))
-        sampled, runner.device.prev_tokens = sample_step(logits, tensors, plan.variant,
-                                                         runner.max_rows)
+        sampled, runner.device.prev_tokens = sample_step(
+            logits, tensors, _without_logprobs(plan.variant), runner.max_rows)
+        if plan.variant.logprobs:
+            ids, lps, ranks = sampled_logprobs_step(logits, tensors.allowed, sampled.token_ids)
+            sampled = sampled.replace(logprob_token_ids=ids, logprobs=lps, ranks=ranks)
         return _pending(runner, self, plan, sampled, hidden)
 
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
@@ -229,13 +232,31 @@ class SampledStep:
         runner = self.runner
         sampling = runner.input_batch.sampling
 
+        tokens_of: dict[int, jax.Array] = {}  # a sampler program's tokens, by request bucket
+
         def compile_one(requests: int, variant: SamplerVariant) -> object:
             tensors = sampling.tensors(np.zeros(0, np.int64), requests, np.zeros(0, np.int32),
                                        variant)
             tensors = dataclasses.replace(tensors,
                                           allowed=runner.grammars.all_allowed(requests))
-            return sample_step(plan.logits_of[requests], tensors, variant, runner.max_rows)
+            out = sample_step(plan.logits_of[requests], tensors, variant, runner.max_rows)
+            tokens_of[requests] = out[0].token_ids
+            return out
 
+        def compile_logprobs(requests: int) -> object:
+            return sampled_logprobs_step(plan.logits_of[requests],
+                                         runner.grammars.all_allowed(requests),
+                                         tokens_of[requests])
+
+        variants = list(dict.fromkeys(_without_logprobs(v) for v in plan.variants))
+        logprobs = [Program(f"sampled logprobs requests={r}", partial(compile_logprobs, r))
+                    for r in plan.request_buckets] if any(v.logprobs for v in plan.variants) else []
         return _model_step_programs(runner, plan) + [
             Program(f"sampler requests={r} {v}", partial(compile_one, r, v))
-            for r in plan.request_buckets for v in plan.variants]
+            for r in plan.request_buckets for v in variants] + logprobs
+
+
+def _without_logprobs(variant: SamplerVariant) -> SamplerVariant:
+    """The sampler program's variant: logprobs come from their own program
+    (sampled_logprobs_step), so each variant compiles once, not twice."""
+    return dataclasses.replace(variant, logprobs=False)
