@@ -12,8 +12,8 @@ PORT ?= 50051
 # prompts are chunked), contexts up to 2048 tokens, the next step prepared
 # while one runs. Request buckets 4 and 16: the model's kernels skip padded
 # rows but the sampler does not, and one bucket of 16 cost a lone sampled
-# stream about a third of its speed; the default 4, 8, 16 compiles 44
-# programs at start-up instead of 31. Every esurge-serve flag can be added here.
+# stream about a third of its speed; the default 4, 8, 16 compiles 35
+# programs at start-up instead of 25. Every esurge-serve flag can be added here.
 SERVE_FLAGS ?= --enable-chunked-prefill --max-num-seqs 16 --max-num-batched-tokens 256 \
 	--max-num-seq-buckets 4,16 --max-model-len 2048 --async-scheduling
 PYTEST_ARGS ?=
