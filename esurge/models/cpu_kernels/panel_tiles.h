@@ -50,27 +50,20 @@ inline Vec LoadVec(const float* p) { return *reinterpret_cast<const UnalignedVec
 // former 0 + f cannot fold (it would turn -0 into +0) and cost an add per row.
 inline Vec Broadcast(float f) { return f - Vec{}; }
 
-// Rows per register tile: MR rows x kPanelVecs accumulators, plus a panel
-// row's kPanelVecs vectors and a broadcast, must fit the register file (32
-// zmm with AVX-512, 16 ymm otherwise).
-#if defined(__AVX512F__)
-constexpr int kRowTile = 8;
-#else
-constexpr int kRowTile = 2;
-#endif
-
 constexpr int kHalfVecs = kPanelVecs / 2;  // vectors per half panel (kLanes columns)
 
 // Rows that one pass over a panel's rows serves (FewRows); more rows run in
-// tiles of this many. With AVX2's 16 registers a full panel row (4 vectors)
-// leaves room for 2 rows of accumulators; a half panel (2 vectors) for 6 (12
-// accumulators + 2 + a broadcast). So 3 to 6 rows run as two half-panel
-// passes: each panel row is read (or, coded, expanded) once for all of them,
-// where 2-row tiles read it once per tile, and a coded panel had to be
-// expanded to memory first (SmolLM2's model step, 2-core EPYC with AVX2: 3 to
-// 6 rows 1.2-1.45x faster; 8 to 24 rows, from the expanded panel, ~5%).
+// tiles of this many. A whole-panel tile of MR rows needs MR x kPanelVecs
+// accumulators, a panel row's kPanelVecs vectors and a broadcast in the
+// register file: up to 8 rows with AVX-512's 32 zmm, 2 with AVX2's 16 ymm.
+// A half panel (2 vectors) leaves AVX2 room for 6 rows (12 accumulators + 2
+// + a broadcast). So there 3 to 6 rows run as two half-panel passes: each
+// panel row is read (or, coded, expanded) once for all of them, where 2-row
+// tiles read it once per tile, and a coded panel had to be expanded to
+// memory first (SmolLM2's model step, 2-core EPYC with AVX2: 3 to 6 rows
+// 1.2-1.45x faster; 8 to 24 rows, from the expanded panel, ~5%).
 #if defined(__AVX512F__)
-constexpr int kFewRows = kRowTile;
+constexpr int kFewRows = 8;
 #else
 constexpr int kFewRows = 6;
 #endif
@@ -211,9 +204,10 @@ void HalfTile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p) 
   StoreRows<MR>(pb, rows, r0, p);
 }
 
-// The leftover rows (M mod kRowTile) as one narrower tile.
+// Rows [r0, r0 + rows) of panel p, 1 <= rows <= kFewRows, in one pass over the
+// panel's rows: whole-panel tiles, or (AVX2, 3 to 6 rows) half-panel ones.
 template <typename Rows>
-inline void TailTile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p, int rows) {
+inline void FewRows(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p, int rows) {
   switch (rows) {
     case 1: return Tile<1>(pb, panel_rows, r0, p);
     case 2: return Tile<2>(pb, panel_rows, r0, p);
@@ -223,29 +217,15 @@ inline void TailTile(const Problem& pb, const Rows& panel_rows, int64_t r0, int6
     case 5: return Tile<5>(pb, panel_rows, r0, p);
     case 6: return Tile<6>(pb, panel_rows, r0, p);
     case 7: return Tile<7>(pb, panel_rows, r0, p);
-#endif
-    default: return;
-  }
-}
-
-// Rows [r0, r0 + rows) of panel p, 1 <= rows <= kFewRows, in one pass over the
-// panel's rows.
-template <typename Rows>
-inline void FewRows(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p, int rows) {
-#if defined(__AVX512F__)
-  if (rows == kRowTile) return Tile<kRowTile>(pb, panel_rows, r0, p);
-  return TailTile(pb, panel_rows, r0, p, rows);
+    case 8: return Tile<8>(pb, panel_rows, r0, p);
 #else
-  switch (rows) {
-    case 1: return Tile<1>(pb, panel_rows, r0, p);
-    case 2: return Tile<2>(pb, panel_rows, r0, p);
     case 3: return HalfTile<3>(pb, panel_rows, r0, p);
     case 4: return HalfTile<4>(pb, panel_rows, r0, p);
     case 5: return HalfTile<5>(pb, panel_rows, r0, p);
     case 6: return HalfTile<6>(pb, panel_rows, r0, p);
+#endif
     default: return;
   }
-#endif
 }
 
 }  // namespace panel
