@@ -16,7 +16,8 @@ from typing import TypeVar
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["TP_AXIS", "Split", "host_visible", "over_local_heads", "over_local_panels"]
+__all__ = ["TP_AXIS", "Split", "host_visible", "over_local_heads", "over_local_panels",
+           "splits_over_tp"]
 
 TP_AXIS = "tp"
 
@@ -29,6 +30,11 @@ def _tp_mesh() -> jax.sharding.AbstractMesh | None:
     if mesh.empty or TP_AXIS not in mesh.axis_names or mesh.shape[TP_AXIS] == 1:
         return None
     return mesh
+
+
+def splits_over_tp() -> bool:
+    """Whether the tracing context's mesh has a tp axis of more than one device."""
+    return _tp_mesh() is not None
 
 
 def host_visible(tree: Tree) -> Tree:

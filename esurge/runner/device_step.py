@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from esurge.models.batch import ForwardBatch
-from esurge.models.forward import ModelState, forward
+from esurge.models.forward import ModelState, forward, logits_rows
 from esurge.models.kv_cache import KVCache
-from esurge.models.local_shards import host_visible
+from esurge.models.local_shards import host_visible, splits_over_tp
 from esurge.models.reductions import first_argmax
 from esurge.runner.packed_inputs import InputLayout
 from esurge.runner.sampler import (
@@ -47,7 +47,8 @@ def model_step(
     ids = _fed_back_ids(batch, prev_index, prev_tokens)
     logits, hidden, kv_cache = forward(model_state, kv_cache,
                                        dataclasses.replace(batch, input_ids=ids))
-    return logits, hidden, kv_cache, host_visible(pad_tokens(_argmax(logits), prev_tokens.shape[0]))
+    greedy = _argmax_rows(logits, logits_rows(jnp.asarray(batch.logits_indices)))
+    return logits, hidden, kv_cache, host_visible(pad_tokens(greedy, prev_tokens.shape[0]))
 
 
 def _fed_back_ids(batch: ForwardBatch, prev_index: jax.Array,  # [T]
@@ -57,10 +58,27 @@ def _fed_back_ids(batch: ForwardBatch, prev_index: jax.Array,  # [T]
     return jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.input_ids)
 
 
-def _argmax(logits: jax.Array  # [L, V]
-            ) -> jax.Array:
-    """[L] int32 greedy tokens, as `sample` picks them for the plain greedy variant."""
-    return first_argmax(logits.astype(jnp.float32))
+def _argmax_rows(logits: jax.Array,  # [L, V]
+                 num_rows: jax.Array,  # [] int32: rows past it are padding
+                 ) -> jax.Array:
+    """[L] int32 greedy tokens, as `sample` picks them for the plain greedy
+    variant; 0 on padding rows.
+
+    One row at a time, real rows only: a model step's logits rows are padded
+    to the request floor (StepBuckets.model_requests), and an argmax over all
+    16 rows of SmolLM2's vocabulary cost a lone stream 0.3-0.4 ms a step.
+    Over a vocabulary split across a tp mesh each reduction is an all-reduce,
+    which a loop would repeat per row: there every row goes at once.
+    """
+    if splits_over_tp():
+        real = jnp.arange(logits.shape[0]) < num_rows
+        return jnp.where(real, first_argmax(logits.astype(jnp.float32)), 0)
+
+    def one_row(i: jax.Array, tokens: jax.Array) -> jax.Array:
+        row = jax.lax.dynamic_index_in_dim(logits, i, keepdims=False)
+        return tokens.at[i].set(first_argmax(row.astype(jnp.float32)))
+
+    return jax.lax.fori_loop(0, num_rows, one_row, jnp.zeros(logits.shape[0], jnp.int32))
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("layout", "variant"))
@@ -100,7 +118,7 @@ def decode_burst_step(
                                    seq_lens=jnp.where(real, batch.seq_lens + j, 0))
         logits, _, kv = forward(model_state, kv, step)
         if tensors is None:
-            tokens = _argmax(logits)
+            tokens = _argmax_rows(logits, logits_rows(jnp.asarray(batch.logits_indices)))
         else:
             moved = dataclasses.replace(tensors, positions=tensors.positions + j)
             tokens = sample(logits, moved, variant).token_ids
@@ -147,27 +165,28 @@ def pad_tokens(tokens: jax.Array, size: int) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("variant", "feedback_size"))
 def sample_step(
-    logits: jax.Array,  # [R, V]
-    tensors: SamplingTensors,
+    logits: jax.Array,  # [L >= R, V]: a model step's, padded to its request floor
+    tensors: SamplingTensors,  # [R] rows
     variant: SamplerVariant,
     feedback_size: int,
 ) -> tuple[SamplerOutput, jax.Array]:
-    """The sampled tokens, and the same padded to the fixed-shape buffer
-    [feedback_size] the next model step reads (one dispatch, not two)."""
-    out = host_visible(sample(logits, tensors, variant))
+    """The sampled tokens of the first R logits rows, and the same padded to
+    the fixed-shape buffer [feedback_size] the next model step reads (one
+    dispatch, not two)."""
+    out = host_visible(sample(logits[:tensors.temperature.shape[0]], tensors, variant))
     return out, host_visible(pad_tokens(out.token_ids, feedback_size))
 
 
 @jax.jit
 def sampled_logprobs_step(
-    logits: jax.Array,  # [R, V] the model step's
+    logits: jax.Array,  # [L >= R, V] the model step's; the first R rows are sampled
     allowed: jax.Array | None,  # [R, ceil(V / 32)] int32 packed grammar masks, as sampled
     tokens: jax.Array,  # [R] int32 the sampled tokens
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(ids [R, 1 + n], logprobs [R, 1 + n], ranks [R]) of the sampled tokens: what a
     logprobs sampler variant returns, as a program of its own so that the sampler
     variants need not be compiled twice (with and without logprobs)."""
-    raw = logits.astype(jnp.float32)
+    raw = logits[:tokens.shape[0]].astype(jnp.float32)
     if allowed is not None:
         raw = apply_grammar(raw, allowed)
     return host_visible(token_logprobs(raw, tokens))

@@ -34,6 +34,9 @@ class StepInputs:
     A decode burst (num_steps > 1) runs num_steps iterations: `batch` is the
     first (one token per request), iteration j moves every request one
     position on and writes its keys and values to burst_slots[j - 1].
+
+    num_reqs_bucket is the sampler's row count; a plain step's batch may pad
+    its requests further, to StepBuckets.model_requests.
     """
 
     batch: ForwardBatch
@@ -114,6 +117,8 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
                np.array([so.num_scheduled_tokens[r] for r in sched], np.int64))
     num_reqs, total = len(sched), int(n_sched.sum())
     t_bucket, r_bucket = buckets.tokens_for(total), buckets.requests_for(num_reqs)
+    # The sampler keeps r_bucket; a plain step's model pads to the floor.
+    r_model = buckets.model_requests(r_bucket) if steps == 1 and not num_spec else r_bucket
     ends = np.cumsum(n_sched)
     starts = ends - n_sched
     num_drafts = (_write_drafts(ib, sched, rows, so.scheduled_spec_decode_tokens) if num_spec
@@ -138,18 +143,18 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
         out[..., :arr.shape[-1]] = arr
         return out
 
-    tables = np.full((page_tables.shape[0], r_bucket, page_tables.shape[2]), NULL_PAGE, np.int32)
+    tables = np.full((page_tables.shape[0], r_model, page_tables.shape[2]), NULL_PAGE, np.int32)
     tables[:, :num_reqs] = page_tables
-    qsl = np.full(r_bucket + 1, total, np.int32)
+    qsl = np.full(r_model + 1, total, np.int32)
     qsl[:num_reqs] = starts
     tile = query_tile_for(n_sched, tiled)
-    tile_rows, row_in_tiles = (tile_layout(n_sched, t_bucket, r_bucket, tile) if tile > 1
+    tile_rows, row_in_tiles = (tile_layout(n_sched, t_bucket, r_model, tile) if tile > 1
                                else (None, None))
     batch = ForwardBatch(
         input_ids=pad(ids, t_bucket), positions=pad(positions, t_bucket),
         token_req=pad(req_of_token, t_bucket), slot_mapping=pad(slot, t_bucket, NULL_PAGE),
-        page_tables=tables, query_start_loc=qsl, seq_lens=pad(seq_lens, r_bucket),
-        logits_indices=_logits_rows(ends, num_drafts, r_bucket, num_spec),
+        page_tables=tables, query_start_loc=qsl, seq_lens=pad(seq_lens, r_model),
+        logits_indices=_logits_rows(ends, num_drafts, r_model, num_spec),
         query_tile=tile, tile_rows=tile_rows, row_in_tiles=row_in_tiles,
     )
     return StepInputs(

@@ -27,8 +27,10 @@ FIELDS = ("input_ids", "positions", "token_req", "slot_mapping", "page_tables",
           "query_start_loc", "seq_lens", "logits_indices")
 
 
-def _chunk_batch(inputs: StepInputs, ib: InputBatch, runner: FakeRunner) -> ForwardBatch:
-    """The same step from explicit chunks: each request's tokens this step, its pages."""
+def _chunk_batch(inputs: StepInputs, ib: InputBatch, runner: FakeRunner,
+                 buckets: StepBuckets) -> ForwardBatch:
+    """The same step from explicit chunks: each request's tokens this step, its
+    pages; the requests padded to the plain model step's floor."""
     chunks = []
     for req_id, row, seq_len in zip(inputs.req_ids, inputs.rows.tolist(),
                                     inputs.seq_lens.tolist(), strict=True):
@@ -37,7 +39,8 @@ def _chunk_batch(inputs: StepInputs, ib: InputBatch, runner: FakeRunner) -> Forw
         chunks.append(RequestChunk(state.tokens[start:seq_len], start, state.pages))
     return build_forward_batch(
         chunks, page_size=PAGE, num_groups=1, num_tokens_bucket=len(inputs.batch.input_ids),
-        num_reqs_bucket=inputs.num_reqs_bucket, max_pages_per_req=ib.page_tables.shape[2])
+        num_reqs_bucket=buckets.model_requests(inputs.num_reqs_bucket),
+        max_pages_per_req=ib.page_tables.shape[2])
 
 
 def _drive(scheduler: Scheduler, buckets: StepBuckets, max_steps: int = 400) -> int:
@@ -53,7 +56,7 @@ def _drive(scheduler: Scheduler, buckets: StepBuckets, max_steps: int = 400) -> 
         result = runner.execute(out)
         if not out.is_empty():
             inputs = build_step_inputs(ib, out, buckets, PAGE, {})
-            want = _chunk_batch(inputs, ib, runner)
+            want = _chunk_batch(inputs, ib, runner, buckets)
             for name in FIELDS:
                 np.testing.assert_array_equal(getattr(inputs.batch, name), getattr(want, name),
                                               err_msg=name)

@@ -99,9 +99,13 @@ def _pending(runner: eSurgeRunner, kind: GreedyStep | SampledStep, plan: StepPla
 
 
 def _model_step_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Program]:
-    """The model step in every bucket and tile; its outputs feed the later programs."""
+    """The model step in every token bucket, model request dimension
+    (StepBuckets.model_requests) and tile; its outputs feed the later programs
+    (the logits go to every request bucket padded to that dimension)."""
     if not plan.first_listing("model step"):
         return []
+    model_requests = runner.buckets.model_requests
+    shapes = list(dict.fromkeys((t, model_requests(r)) for t, r in plan.shapes))
 
     def compile_one(tokens: int, requests: int, tile: int) -> jax.Array:
         flat, layout = pack_inputs(padding_batch(runner, tokens, requests, tile=tile),
@@ -109,12 +113,15 @@ def _model_step_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Program
         device = runner.device
         logits, hidden, device.kv_cache, _ = model_step(
             runner.model.model_state, device.kv_cache, flat, device.prev_tokens, layout)
-        plan.logits_of[requests], plan.hidden_of[tokens] = logits, hidden
+        plan.hidden_of[tokens] = hidden
+        for r in plan.request_buckets:
+            if model_requests(r) == requests:
+                plan.logits_of[r] = logits
         return logits
 
     return [Program(f"model step tokens={t} requests={r} tile={tile}",
                     partial(compile_one, t, r, tile))
-            for t, r, tile in with_tiles(plan.shapes, runner.tiled_attention)]
+            for t, r, tile in with_tiles(shapes, runner.tiled_attention)]
 
 
 def record_plain(runner: eSurgeRunner, pending: PendingStep) -> np.ndarray | None:

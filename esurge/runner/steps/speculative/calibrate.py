@@ -41,10 +41,13 @@ def timing_inputs(runner: eSurgeRunner, requests: int, drafts: int) -> StepInput
     rows and as many logits rows, in the smallest buckets that hold it (None
     where none does)."""
     rows = requests * (drafts + 1)
+    buckets = runner.buckets
     try:
-        tokens, bucket = runner.buckets.tokens_for(rows), runner.buckets.requests_for(requests)
+        tokens, bucket = buckets.tokens_for(rows), buckets.requests_for(requests)
     except ValueError:
         return None
+    if not drafts:  # a plain step's model pads its requests as warm-up compiled it
+        bucket = buckets.model_requests(bucket)
     inputs = padding_inputs(runner, tokens, bucket)
     width = 1 + (runner.num_spec if drafts else 0)
     logits = np.zeros(bucket * width, np.int32)
