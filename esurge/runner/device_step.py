@@ -11,15 +11,14 @@ import jax.numpy as jnp
 from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, forward, logits_rows
 from esurge.models.kv_cache import KVCache
-from esurge.models.local_shards import host_visible, splits_over_tp
-from esurge.models.reductions import first_argmax
+from esurge.models.local_shards import host_visible
 from esurge.runner.packed_inputs import InputLayout
+from esurge.runner.real_rows import argmax_rows, sample_rows
 from esurge.runner.sampler import (
     SamplerOutput,
     SamplerVariant,
     SamplingTensors,
     apply_grammar,
-    sample,
     token_logprobs,
 )
 
@@ -47,7 +46,7 @@ def model_step(
     ids = _fed_back_ids(batch, prev_index, prev_tokens)
     logits, hidden, kv_cache = forward(model_state, kv_cache,
                                        dataclasses.replace(batch, input_ids=ids))
-    greedy = _argmax_rows(logits, logits_rows(jnp.asarray(batch.logits_indices)))
+    greedy = argmax_rows(logits, logits_rows(jnp.asarray(batch.logits_indices)))
     return logits, hidden, kv_cache, host_visible(pad_tokens(greedy, prev_tokens.shape[0]))
 
 
@@ -56,29 +55,6 @@ def _fed_back_ids(batch: ForwardBatch, prev_index: jax.Array,  # [T]
                   ) -> jax.Array:
     """[T] input ids with the in-flight ones read from the previous step's tokens."""
     return jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], batch.input_ids)
-
-
-def _argmax_rows(logits: jax.Array,  # [L, V]
-                 num_rows: jax.Array,  # [] int32: rows past it are padding
-                 ) -> jax.Array:
-    """[L] int32 greedy tokens, as `sample` picks them for the plain greedy
-    variant; 0 on padding rows.
-
-    One row at a time, real rows only: a model step's logits rows are padded
-    to the request floor (StepBuckets.model_requests), and an argmax over all
-    16 rows of SmolLM2's vocabulary cost a lone stream 0.3-0.4 ms a step.
-    Over a vocabulary split across a tp mesh each reduction is an all-reduce,
-    which a loop would repeat per row: there every row goes at once.
-    """
-    if splits_over_tp():
-        real = jnp.arange(logits.shape[0]) < num_rows
-        return jnp.where(real, first_argmax(logits.astype(jnp.float32)), 0)
-
-    def one_row(i: jax.Array, tokens: jax.Array) -> jax.Array:
-        row = jax.lax.dynamic_index_in_dim(logits, i, keepdims=False)
-        return tokens.at[i].set(first_argmax(row.astype(jnp.float32)))
-
-    return jax.lax.fori_loop(0, num_rows, one_row, jnp.zeros(logits.shape[0], jnp.int32))
 
 
 @partial(jax.jit, donate_argnums=(1,), static_argnames=("layout", "variant"))
@@ -108,6 +84,7 @@ def decode_burst_step(
     if later_slots is None:
         raise ValueError("decode_burst_step needs a layout packed with burst slots")
     real = batch.seq_lens > 0  # [R] padding requests keep seq_len 0
+    num_rows = logits_rows(jnp.asarray(batch.logits_indices))
     slot_maps = jnp.concatenate([batch.slot_mapping[None], later_slots])  # [K, G, T]
 
     def iteration(carry: tuple[KVCache, jax.Array], j: jax.Array
@@ -118,10 +95,10 @@ def decode_burst_step(
                                    seq_lens=jnp.where(real, batch.seq_lens + j, 0))
         logits, _, kv = forward(model_state, kv, step)
         if tensors is None:
-            tokens = _argmax_rows(logits, logits_rows(jnp.asarray(batch.logits_indices)))
+            tokens = argmax_rows(logits, num_rows)
         else:
             moved = dataclasses.replace(tensors, positions=tensors.positions + j)
-            tokens = sample(logits, moved, variant).token_ids
+            tokens = sample_rows(logits, moved, num_rows, variant).token_ids
         # Request i owns token row i (one token each), so its next input sits there.
         return (kv, pad_tokens(tokens[:ids.shape[0]], ids.shape[0])), tokens
 
@@ -167,13 +144,15 @@ def pad_tokens(tokens: jax.Array, size: int) -> jax.Array:
 def sample_step(
     logits: jax.Array,  # [L >= R, V]: a model step's, padded to its request floor
     tensors: SamplingTensors,  # [R] rows
+    num_rows: jax.Array,  # [] int32: the step's real rows (the rest is padding)
     variant: SamplerVariant,
     feedback_size: int,
 ) -> tuple[SamplerOutput, jax.Array]:
-    """The sampled tokens of the first R logits rows, and the same padded to
-    the fixed-shape buffer [feedback_size] the next model step reads (one
-    dispatch, not two)."""
-    out = host_visible(sample(logits[:tensors.temperature.shape[0]], tensors, variant))
+    """The sampled tokens of the first R logits rows (0 past num_rows), and the
+    same padded to the fixed-shape buffer [feedback_size] the next model step
+    reads (one dispatch, not two)."""
+    rows = tensors.temperature.shape[0]
+    out = host_visible(sample_rows(logits[:rows], tensors, num_rows, variant))
     return out, host_visible(pad_tokens(out.token_ids, feedback_size))
 
 

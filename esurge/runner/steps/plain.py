@@ -226,7 +226,8 @@ class SampledStep:
         tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
                                       allowed=runner.grammar_feed.masks(inputs, plan.constrained))
         sampled, runner.device.prev_tokens = sample_step(
-            logits, tensors, _without_logprobs(plan.variant), runner.max_rows)
+            logits, tensors, np.int32(len(inputs.req_ids)), _without_logprobs(plan.variant),
+            runner.max_rows)
         if plan.variant.logprobs:
             ids, lps, ranks = sampled_logprobs_step(logits, tensors.allowed, sampled.token_ids)
             sampled = sampled.replace(logprob_token_ids=ids, logprobs=lps, ranks=ranks)
@@ -246,7 +247,8 @@ class SampledStep:
                                        variant)
             tensors = dataclasses.replace(tensors,
                                           allowed=runner.grammars.all_allowed(requests))
-            out = sample_step(plan.logits_of[requests], tensors, variant, runner.max_rows)
+            out = sample_step(plan.logits_of[requests], tensors, np.int32(requests), variant,
+                              runner.max_rows)
             tokens_of[requests] = out[0].token_ids
             return out
 
