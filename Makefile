@@ -10,10 +10,10 @@ MODEL ?= smollm2-135m-instruct
 PORT ?= 50051
 # Sized for a small CPU machine: 16 running requests, 256-token steps (long
 # prompts are chunked), contexts up to 2048 tokens, the next step prepared
-# while one runs. Request buckets 4 and 16: the model's kernels skip padded
-# rows but the sampler does not, and one bucket of 16 cost a lone sampled
-# stream about a third of its speed; the default 4, 8, 16 compiles 35
-# programs at start-up instead of 25. Every esurge-serve flag can be added here.
+# while one runs. Request buckets 4 and 16: model steps and the sampler skip
+# padded rows, but the host builds the penalty sampler's [rows, vocabulary]
+# tensors for every row of the bucket; the default 4, 8, 16 compiles 25
+# programs at start-up instead of 20. Every esurge-serve flag can be added here.
 SERVE_FLAGS ?= --enable-chunked-prefill --max-num-seqs 16 --max-num-batched-tokens 256 \
 	--max-num-seq-buckets 4,16 --max-model-len 2048 --async-scheduling
 PYTEST_ARGS ?=
