@@ -86,8 +86,8 @@ class StepBuckets:
 
         The model's kernels skip padded requests and logits rows, so a smaller
         request bucket saves a model step nothing but costs one compiled model
-        step per token bucket; the sampler, which pays for every row, keeps
-        the step's own request bucket.
+        step per token bucket. The sampler keeps the step's own request
+        bucket: the host builds its tensors for every row of it.
         """
         fitting = [r for r in self.request_buckets if r <= self.token_buckets[0]]
         return fitting[-1] if fitting else self.request_buckets[0]
@@ -95,10 +95,6 @@ class StepBuckets:
     def model_requests(self, requests_bucket: int) -> int:
         """The request dimension of a plain model step in this request bucket."""
         return max(requests_bucket, self.request_floor)
-
-    def model_shapes(self) -> list[tuple[int, int]]:
-        """Every (tokens, model requests) shape of a plain model step, in order."""
-        return list(dict.fromkeys((t, self.model_requests(r)) for t, r in self.shapes()))
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (tokens, requests) bucket pair a step can land in.
