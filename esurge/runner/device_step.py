@@ -13,7 +13,7 @@ from esurge.models.forward import ModelState, forward, logits_rows
 from esurge.models.kv_cache import KVCache
 from esurge.models.local_shards import host_visible
 from esurge.runner.packed_inputs import InputLayout
-from esurge.runner.real_rows import argmax_rows, sample_rows
+from esurge.runner.real_rows import argmax_rows, map_real_rows, sample_rows
 from esurge.runner.sampler import (
     SamplerOutput,
     SamplerVariant,
@@ -161,6 +161,7 @@ def sampled_logprobs_step(
     logits: jax.Array,  # [L >= R, V] the model step's; the first R rows are sampled
     allowed: jax.Array | None,  # [R, ceil(V / 32)] int32 packed grammar masks, as sampled
     tokens: jax.Array,  # [R] int32 the sampled tokens
+    num_rows: jax.Array,  # [] int32: the step's real rows (the rest is padding)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(ids [R, 1 + n], logprobs [R, 1 + n], ranks [R]) of the sampled tokens: what a
     logprobs sampler variant returns, as a program of its own so that the sampler
@@ -168,7 +169,7 @@ def sampled_logprobs_step(
     raw = logits[:tokens.shape[0]].astype(jnp.float32)
     if allowed is not None:
         raw = apply_grammar(raw, allowed)
-    return host_visible(token_logprobs(raw, tokens))
+    return host_visible(map_real_rows(token_logprobs, num_rows, raw, tokens))
 
 
 @partial(jax.jit, static_argnums=(4,))

@@ -12,14 +12,20 @@ which a loop would repeat per row: there every row goes at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 
-from esurge.models.local_shards import splits_over_tp
+from esurge.models.local_shards import TP_AXIS, splits_over_tp
 from esurge.models.reductions import first_argmax
 from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors, sample
 
-__all__ = ["argmax_rows", "one_row_at_a_time", "sample_rows"]
+__all__ = ["argmax_rows", "loops_over_rows", "map_real_rows", "one_row_at_a_time",
+           "sample_rows"]
+
+Tree = TypeVar("Tree")
 
 
 def one_row_at_a_time() -> bool:
@@ -27,8 +33,35 @@ def one_row_at_a_time() -> bool:
     return jax.default_backend() == "cpu" and not splits_over_tp()
 
 
-def _real(size: int, num_rows: jax.Array) -> jax.Array:  # [size] bool
-    return jnp.arange(size) < num_rows
+def loops_over_rows(mesh: jax.sharding.Mesh | None) -> bool:
+    """`one_row_at_a_time` for steps traced under `mesh`, asked on the host."""
+    return jax.default_backend() == "cpu" and (mesh is None
+                                               or mesh.shape.get(TP_AXIS, 1) == 1)
+
+
+def map_real_rows(fn: Callable[..., Tree], num_rows: jax.Array,  # [] int32
+                  *rows: object) -> Tree:
+    """fn over the first num_rows rows of `rows` (trees of [R, ...] arrays),
+    giving what fn gives over all of them on those rows and zeros past them.
+
+    fn must treat each row alone (sampling draws per row from its own seed).
+    """
+    size = jax.tree.leaves(rows)[0].shape[0]
+    if not one_row_at_a_time():
+        real = jnp.arange(size) < num_rows
+        return jax.tree.map(lambda x: jnp.where(real.reshape(-1, *[1] * (x.ndim - 1)), x, 0),
+                            fn(*rows))
+
+    def row(i: jax.Array) -> tuple[object, ...]:
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), rows)
+
+    def one_row(i: jax.Array, out: Tree) -> Tree:
+        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g, i, 0),
+                            out, fn(*row(i)))
+
+    shapes = jax.eval_shape(lambda: fn(*row(jnp.int32(0))))
+    empty = jax.tree.map(lambda s: jnp.zeros((size, *s.shape[1:]), s.dtype), shapes)
+    return jax.lax.fori_loop(0, num_rows, one_row, empty)
 
 
 def argmax_rows(logits: jax.Array,  # [L, V]
@@ -36,37 +69,12 @@ def argmax_rows(logits: jax.Array,  # [L, V]
                 ) -> jax.Array:
     """[L] int32 greedy tokens, as `sample` picks them for the plain greedy
     variant; 0 on padding rows."""
-    if not one_row_at_a_time():
-        return jnp.where(_real(logits.shape[0], num_rows),
-                         first_argmax(logits.astype(jnp.float32)), 0)
-
-    def one_row(i: jax.Array, tokens: jax.Array) -> jax.Array:
-        row = jax.lax.dynamic_index_in_dim(logits, i, keepdims=False)
-        return tokens.at[i].set(first_argmax(row.astype(jnp.float32)))
-
-    return jax.lax.fori_loop(0, num_rows, one_row, jnp.zeros(logits.shape[0], jnp.int32))
+    return map_real_rows(lambda x: first_argmax(x.astype(jnp.float32)), num_rows, logits)
 
 
 def sample_rows(logits: jax.Array,  # [R, V]
                 tensors: SamplingTensors,  # [R] rows
                 num_rows: jax.Array,  # [] int32: rows past it are padding
                 variant: SamplerVariant) -> SamplerOutput:
-    """`sample` of the first num_rows rows (each row's draw depends on that row
-    alone); padding rows come back zero."""
-    if not one_row_at_a_time():
-        out = sample(logits, tensors, variant)
-        real = _real(logits.shape[0], num_rows)
-        return jax.tree.map(lambda x: jnp.where(real.reshape(-1, *[1] * (x.ndim - 1)), x, 0),
-                            out)
-
-    def row_of(tree: SamplingTensors, i: jax.Array) -> SamplingTensors:
-        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i, 1), tree)
-
-    def one_row(i: jax.Array, out: SamplerOutput) -> SamplerOutput:
-        got = sample(jax.lax.dynamic_slice_in_dim(logits, i, 1), row_of(tensors, i), variant)
-        return jax.tree.map(lambda o, g: jax.lax.dynamic_update_slice_in_dim(o, g, i, 0),
-                            out, got)
-
-    shapes = jax.eval_shape(lambda: sample(logits[:1], row_of(tensors, jnp.int32(0)), variant))
-    empty = jax.tree.map(lambda s: jnp.zeros((logits.shape[0], *s.shape[1:]), s.dtype), shapes)
-    return jax.lax.fori_loop(0, num_rows, one_row, empty)
+    """`sample` of the first num_rows rows; padding rows come back zero."""
+    return map_real_rows(lambda x, t: sample(x, t, variant), num_rows, logits, tensors)

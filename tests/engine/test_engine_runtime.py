@@ -11,6 +11,8 @@ from transformers import AutoConfig
 
 from esurge import SamplingParams, eSurge
 from esurge.runner.device_step import model_step, prompt_logprobs_step, sample_step
+from esurge.runner.steps.base import WarmupPlan
+from esurge.runner.warmup import warmup_programs
 from tests.engine.conftest import engine_config, mixed_prompts
 
 
@@ -91,3 +93,40 @@ def test_final_only_callbacks_get_just_the_finished_output(engine: eSurge) -> No
     assert [o.finished for o in got["final"]] == [True]
     streamed = [t for delta in got["every"] for t in delta.outputs[0].token_ids]
     assert got["final"][0].outputs[0].token_ids == streamed
+
+
+def test_request_buckets_below_the_floor_compile_nothing_more_and_change_no_token(
+        tiny_llama_dir: Path, reference_greedy: list[list[int]]) -> None:
+    """Buckets 4 and 16 (make serve's): a lone request's step pads its model
+    requests to 16, its plain sampler to the model's rows, its penalty sampler
+    only to 4; every kind of request, alone and mixed, runs on what warm-up
+    compiled, and greedy tokens are transformers'."""
+    from esurge.runner.device_step import sampled_logprobs_step
+
+    config = engine_config()
+    config = dataclasses.replace(config, scheduler_config=dataclasses.replace(
+        config.scheduler_config, max_num_seq_buckets=(4, 16)))
+    jitted = (model_step, sample_step, sampled_logprobs_step, prompt_logprobs_step)
+    with eSurge(tiny_llama_dir, config, show_progress=False) as llm:
+        runner = llm.runner
+        plan_labels = [p.label for p in warmup_programs(runner, WarmupPlan(
+            runner.buckets.shapes(), runner.sampler_variants()))]
+        assert sum(label.startswith("model step") for label in plan_labels) == len(
+            runner.buckets.token_buckets)
+        plain = [label for label in plan_labels
+                 if label.startswith("sampler") and "dense=False" in label]
+        assert plain and all(label.startswith("sampler requests=16 ") for label in plain)
+        before = [f._cache_size() for f in jitted]
+        prompts = mixed_prompts()
+        greedy = SamplingParams(temperature=0, max_tokens=12)
+        kinds = [greedy, SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=12),
+                 SamplingParams(temperature=0, logprobs=2, max_tokens=12),
+                 SamplingParams(temperature=1.0, frequency_penalty=0.5, logit_bias={5: 1.0},
+                                max_tokens=12, prompt_logprobs=1)]
+        for params in kinds:
+            llm.generate([prompts[0]], params)
+        alone = llm.generate([prompts[3]], greedy)[0].outputs[0].token_ids
+        mixed = llm.generate(prompts, kinds * 4)
+        assert [f._cache_size() for f in jitted] == before
+    assert alone == reference_greedy[3][:12]
+    assert mixed[0].outputs[0].token_ids == reference_greedy[0][:12]

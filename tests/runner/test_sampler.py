@@ -265,7 +265,8 @@ def test_the_logprobs_program_gives_what_the_logprobs_variant_gives() -> None:
                          dataclasses.replace(variant, logprobs=False))
     np.testing.assert_array_equal(np.asarray(without.token_ids), np.asarray(want.token_ids))
     assert without.logprobs is None
-    ids, lps, ranks = sampled_logprobs_step(jnp.asarray(logits), allowed, without.token_ids)
+    ids, lps, ranks = sampled_logprobs_step(jnp.asarray(logits), allowed, without.token_ids,
+                                            jnp.int32(3))
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want.logprob_token_ids))
     np.testing.assert_array_equal(np.asarray(ranks), np.asarray(want.ranks))
     np.testing.assert_allclose(np.asarray(lps), np.asarray(want.logprobs), rtol=1e-6, atol=1e-6)

@@ -60,20 +60,35 @@ class GrammarFeed:
             if inputs.samples[i]:
                 self.grammars.advance(req_id, int(inputs.sample_positions[i]), [int(tokens[i])])
 
-    def masks(self, inputs: StepInputs, constrained: bool) -> np.ndarray:
-        """[requests bucket, words] int32 token masks for a step's sampler."""
+    def masks(self, inputs: StepInputs, constrained: bool, rows: int) -> np.ndarray:
+        """[rows, words] int32 token masks for a step's sampler."""
         if not constrained:
-            return self.grammars.all_allowed(inputs.num_reqs_bucket)
+            return self.grammars.all_allowed(rows)
         if self.last is not None:
             self.observe(self.last)
-        return self.grammars.masks(inputs.req_ids, inputs.samples, inputs.num_reqs_bucket)
+        return self.grammars.masks(inputs.req_ids, inputs.samples, rows)
 
 
-def sampling_tensors(runner: eSurgeRunner, inputs: StepInputs, variant: SamplerVariant
-                     ) -> SamplingTensors:
-    """The scheduled rows' sampling tensors, padded to the step's request bucket."""
-    return runner.input_batch.sampling.tensors(inputs.rows, inputs.num_reqs_bucket,
-                                               inputs.sample_positions, variant)
+def sampling_tensors(runner: eSurgeRunner, inputs: StepInputs, variant: SamplerVariant,
+                     rows: int | None = None) -> SamplingTensors:
+    """The scheduled rows' sampling tensors, padded to `rows` (default: the
+    step's request bucket)."""
+    return runner.input_batch.sampling.tensors(
+        inputs.rows, inputs.num_reqs_bucket if rows is None else rows,
+        inputs.sample_positions, variant)
+
+
+def sampler_rows(runner: eSurgeRunner, requests: int, variant: SamplerVariant) -> int:
+    """The plain sampler's rows for a step in this request bucket.
+
+    Where the sampler loops over real rows (real_rows), padding rows cost it
+    nothing, so it takes the model step's whole logits (StepBuckets.model_requests)
+    and request buckets below the floor share its program; a dense variant keeps
+    its bucket, its [rows, vocabulary] tensors being built on the host.
+    """
+    if variant.dense or not runner.rows_loop:
+        return requests
+    return runner.buckets.model_requests(requests)
 
 
 def run_model_step(runner: eSurgeRunner, inputs: StepInputs
@@ -223,13 +238,16 @@ class SampledStep:
             # async scheduling the previous step's are still on the device.
             record_plain(runner, runner.last_plain)
         # The model step is queued: the masks are built while it runs.
-        tensors = dataclasses.replace(sampling_tensors(runner, inputs, plan.variant),
-                                      allowed=runner.grammar_feed.masks(inputs, plan.constrained))
+        rows = sampler_rows(runner, inputs.num_reqs_bucket, plan.variant)
+        tensors = dataclasses.replace(
+            sampling_tensors(runner, inputs, plan.variant, rows),
+            allowed=runner.grammar_feed.masks(inputs, plan.constrained, rows))
         sampled, runner.device.prev_tokens = sample_step(
             logits, tensors, np.int32(len(inputs.req_ids)), _without_logprobs(plan.variant),
             runner.max_rows)
         if plan.variant.logprobs:
-            ids, lps, ranks = sampled_logprobs_step(logits, tensors.allowed, sampled.token_ids)
+            ids, lps, ranks = sampled_logprobs_step(logits, tensors.allowed, sampled.token_ids,
+                                                    np.int32(len(inputs.req_ids)))
             sampled = sampled.replace(logprob_token_ids=ids, logprobs=lps, ranks=ranks)
         return _pending(runner, self, plan, sampled, hidden)
 
@@ -240,29 +258,33 @@ class SampledStep:
         runner = self.runner
         sampling = runner.input_batch.sampling
 
-        tokens_of: dict[int, jax.Array] = {}  # a sampler program's tokens, by request bucket
+        tokens_of: dict[int, jax.Array] = {}  # a sampler program's tokens, by its rows
 
-        def compile_one(requests: int, variant: SamplerVariant) -> object:
-            tensors = sampling.tensors(np.zeros(0, np.int64), requests, np.zeros(0, np.int32),
+        def compile_one(requests: int, rows: int, variant: SamplerVariant) -> object:
+            tensors = sampling.tensors(np.zeros(0, np.int64), rows, np.zeros(0, np.int32),
                                        variant)
-            tensors = dataclasses.replace(tensors,
-                                          allowed=runner.grammars.all_allowed(requests))
-            out = sample_step(plan.logits_of[requests], tensors, np.int32(requests), variant,
+            tensors = dataclasses.replace(tensors, allowed=runner.grammars.all_allowed(rows))
+            out = sample_step(plan.logits_of[requests], tensors, np.int32(rows), variant,
                               runner.max_rows)
-            tokens_of[requests] = out[0].token_ids
+            tokens_of[rows] = out[0].token_ids
             return out
 
-        def compile_logprobs(requests: int) -> object:
+        def compile_logprobs(requests: int, rows: int) -> object:
             return sampled_logprobs_step(plan.logits_of[requests],
-                                         runner.grammars.all_allowed(requests),
-                                         tokens_of[requests])
+                                         runner.grammars.all_allowed(rows), tokens_of[rows],
+                                         np.int32(rows))
 
         variants = list(dict.fromkeys(_without_logprobs(v) for v in plan.variants))
-        logprobs = [Program(f"sampled logprobs requests={r}", partial(compile_logprobs, r))
-                    for r in plan.request_buckets] if any(v.logprobs for v in plan.variants) else []
-        return _model_step_programs(runner, plan) + [
-            Program(f"sampler requests={r} {v}", partial(compile_one, r, v))
-            for r in plan.request_buckets for v in variants] + logprobs
+        samplers = {(sampler_rows(runner, r, v), v): r
+                    for r in plan.request_buckets for v in variants}
+        programs = [Program(f"sampler requests={rows} {v}", partial(compile_one, r, rows, v))
+                    for (rows, v), r in samplers.items()]
+        if any(v.logprobs for v in plan.variants):
+            logprob_rows = {rows: r for (rows, _), r in samplers.items()}
+            programs += [Program(f"sampled logprobs requests={rows}",
+                                 partial(compile_logprobs, r, rows))
+                         for rows, r in logprob_rows.items()]
+        return _model_step_programs(runner, plan) + programs
 
 
 def _without_logprobs(variant: SamplerVariant) -> SamplerVariant:
