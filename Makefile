@@ -12,8 +12,8 @@ PORT ?= 50051
 # prompts are chunked), contexts up to 2048 tokens, the next step prepared
 # while one runs. Request buckets 4 and 16: model steps and the sampler skip
 # padded rows, but the host builds the penalty sampler's [rows, vocabulary]
-# tensors for every row of the bucket; the default 4, 8, 16 compiles 25
-# programs at start-up instead of 20. Every esurge-serve flag can be added here.
+# tensors for every row of the bucket; the default 4, 8, 16 compiles 21
+# programs at start-up instead of 18. Every esurge-serve flag can be added here.
 SERVE_FLAGS ?= --enable-chunked-prefill --max-num-seqs 16 --max-num-batched-tokens 256 \
 	--max-num-seq-buckets 4,16 --max-model-len 2048 --async-scheduling
 PYTEST_ARGS ?=
