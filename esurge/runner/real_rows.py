@@ -18,25 +18,19 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-from esurge.models.local_shards import TP_AXIS, splits_over_tp
+from esurge.models.local_shards import splits_over_tp
 from esurge.models.reductions import first_argmax
 from esurge.runner.sampler import SamplerOutput, SamplerVariant, SamplingTensors, sample
 
-__all__ = ["argmax_rows", "loops_over_rows", "map_real_rows", "one_row_at_a_time",
-           "sample_rows"]
+__all__ = ["argmax_rows", "map_real_rows", "one_row_at_a_time", "sample_rows"]
 
 Tree = TypeVar("Tree")
 
 
 def one_row_at_a_time() -> bool:
-    """Whether the step being traced loops over its real rows (XLA:CPU, no tp mesh)."""
+    """Whether steps traced under the context's mesh loop over their real rows
+    (XLA:CPU, no tp mesh); the runner asks once, under its mesh."""
     return jax.default_backend() == "cpu" and not splits_over_tp()
-
-
-def loops_over_rows(mesh: jax.sharding.Mesh | None) -> bool:
-    """`one_row_at_a_time` for steps traced under `mesh`, asked on the host."""
-    return jax.default_backend() == "cpu" and (mesh is None
-                                               or mesh.shape.get(TP_AXIS, 1) == 1)
 
 
 def map_real_rows(fn: Callable[..., Tree], num_rows: jax.Array,  # [] int32

@@ -31,7 +31,7 @@ from esurge.outputs import ModelRunnerOutput
 from esurge.runner.buckets import StepBuckets
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.prompt_logprobs import PromptLogprobsComputer
-from esurge.runner.real_rows import loops_over_rows
+from esurge.runner.real_rows import one_row_at_a_time
 from esurge.runner.sampler import SamplerVariant
 from esurge.runner.step_inputs import build_step_inputs
 from esurge.runner.steps.base import DeviceState, PendingStep, StepKind, StepPlan
@@ -114,7 +114,8 @@ class eSurgeRunner:
         self.input_batch = InputBatch(self.max_rows, self.max_model_len,
                                       len(self.cache_groups.groups), max_pages, model.vocab_size)
         self.mesh = model.mesh
-        self.rows_loop = loops_over_rows(self.mesh)  # see esurge/runner/real_rows.py
+        with self.on_mesh():  # as steps are traced: see esurge/runner/real_rows.py
+            self.rows_loop = one_row_at_a_time()
         kv_sharding = None if self.mesh is None else kv_cache_sharding(self.mesh)
         self.device = DeviceState(init_kv_cache(self.cache_groups, sharding=kv_sharding),
                                   replicated(jnp.zeros(self.max_rows, jnp.int32), self.mesh))
