@@ -28,10 +28,10 @@ from esurge.models.cpu_kernels import kernels_serve
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.packed_linear import pack_weight
 from esurge.spec_decode.config import EagleConfig, EagleLayout
-from esurge.spec_decode.head import EagleHead, EagleState, HeadParams
+from esurge.spec_decode.head import EagleHead, EagleState, HeadParams, HeadWeights
 
-__all__ = ["eagle_config_dict", "head_serving_dtype", "load_eagle_head", "read_tensors",
-           "save_eagle_head"]
+__all__ = ["eagle_config_dict", "head_serving_dtype", "head_weights", "load_eagle_head",
+           "read_tensors", "save_eagle_head"]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Buffers some exporters write that carry no learned state.
@@ -139,34 +139,48 @@ def _vocab_maps(tensors: dict[str, np.ndarray], config: EagleConfig) -> jax.Arra
     return jnp.asarray(d2t, jnp.int32)
 
 
-def _packed_params(params: HeadParams) -> HeadParams:
-    """Every projection's [out, in] weight as column panels (PackedLinear's layout)."""
+def _packed_params(params: HeadParams, dual: bool) -> HeadParams:
+    """Every projection's [out, in] weight as column panels (PackedLinear's layout),
+    and with dual also input-major (its `plain`)."""
     out: HeadParams = {}
     for name, value in params.items():
         if isinstance(value, dict):
-            out[name] = _packed_params(value) if name != "embed_tokens" else value
+            out[name] = _packed_params(value, dual) if name != "embed_tokens" else value
         elif name == "weight" and value.ndim == 2:
             out[name] = pack_weight(value.T)
+            if dual:
+                out["plain"] = value.T
         else:
             out[name] = value
     return out
 
 
-def head_serving_dtype(model_dtype: str, packed: bool) -> str:
+def head_weights(target: DecoderConfig, *, on_mesh: bool) -> HeadWeights:
+    """The head's projections in its target's layout: on one device, the CPU
+    kernels' panels where the target is packed (at a draft step's few rows they
+    take 0.4-0.8 of XLA's matmul time), beside input-major weights for large
+    buckets where the target keeps both (CPUs without AVX-512)."""
+    if on_mesh or not target.packed_weights:
+        return HeadWeights.PLAIN
+    return HeadWeights.DUAL if target.dual_layout else HeadWeights.PANELS
+
+
+def head_serving_dtype(model_dtype: str, weights: HeadWeights) -> str:
     """The dtype to serve a head in beside a target served in `model_dtype`:
     bfloat16 under a float32 target where the CPU kernels multiply bfloat16
     natively. A draft pass is bound by reading the head's weights (SmolLM2's
     head: 35 MB in float32, more than a third of its 4-bit target's step),
     and drafts need only be likely, not exact: verification decides every token."""
-    if packed and model_dtype == "float32" and kernels_serve(jnp.bfloat16):
+    if (weights is not HeadWeights.PLAIN and model_dtype == "float32"
+            and kernels_serve(jnp.bfloat16)):
         return "bfloat16"
     return model_dtype
 
 
 def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float32",
-                    pack: bool = False) -> EagleState:
-    """Load the Eagle head in `path` for a target model of configuration `target`;
-    pack: store its projections in column panels for the CPU kernels (serving)."""
+                    weights: HeadWeights = HeadWeights.PLAIN) -> EagleState:
+    """Load the Eagle head in `path` for a target model of configuration `target`,
+    its projections stored as `weights` says (panels for the CPU kernels: serving)."""
     path = Path(path)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -199,10 +213,10 @@ def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float
     if tensors:
         raise ValueError(f"draft head in {path} has unexpected tensors {sorted(tensors)[:8]} "
                          f"for an {layout.value} layout")
-    if pack:
+    if weights is not HeadWeights.PLAIN:
         graphdef, packed_state = nnx.split(nnx.eval_shape(lambda: EagleHead(
-            config, dtype=jdtype, own_embedding=own_embedding, packed=True)))
-        params = _packed_params(params)
+            config, dtype=jdtype, own_embedding=own_embedding, weights=weights)))
+        params = _packed_params(params, dual=weights is HeadWeights.DUAL)
         expected = jax.tree_util.tree_map(lambda a: a.shape, nnx.to_pure_dict(packed_state))
         if jax.tree_util.tree_map(lambda a: a.shape, params) != expected:
             raise ValueError("packed draft head parameters do not match its packed modules")

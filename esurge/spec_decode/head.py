@@ -15,7 +15,7 @@ state [T, H]:
   vocabulary. Its first hidden input is fc over the three fused target layers.
 The returned hidden state is what the next step consumes.
 
-Serving may store every projection packed in column panels (`packed=True`,
+Serving may store every projection packed in column panels (`HeadWeights`,
 esurge.models.packed_linear), so the head multiplies in the same CPU kernels
 as the target (float32, or bfloat16 where the CPU has it) instead of XLA's
 matmuls; training keeps the checkpoint's [out, in] layout.
@@ -24,6 +24,7 @@ matmuls; training keeps the checkpoint's [out, in] layout.
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ from esurge.models.packed_linear import PackedLinear
 from esurge.models.rope import apply_rope
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 
-__all__ = ["Attend", "EagleHead", "EagleState", "HeadParams", "init_head"]
+__all__ = ["Attend", "EagleHead", "EagleState", "HeadParams", "HeadWeights", "init_head"]
 
 # attend(layer index, q [T, heads, D], k [T, kv_heads, D], v [T, kv_heads, D]) -> [T, heads, D]
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -50,14 +51,25 @@ def _activate(kind: Activation, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=kind is Activation.GELU_TANH)
 
 
+class HeadWeights(Enum):
+    """How the head's projections are stored, chosen at load like the target's."""
+
+    PLAIN = "plain"  # the checkpoint's [out, in]: XLA's matmuls (training)
+    PANELS = "panels"  # column panels for the CPU kernels
+    # Panels for small buckets and input-major weights for larger ones (XLA's
+    # matmul), as a dual-layout target keeps them (CPUs without AVX-512).
+    DUAL = "dual"
+
+
 HeadLinear = Linear | PackedLinear
 
 
 def _linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
-            packed: bool) -> HeadLinear:
-    if packed:
-        return PackedLinear(in_features, out_features, bias=bias, dtype=dtype)
-    return Linear(in_features, out_features, bias=bias, dtype=dtype)
+            weights: HeadWeights) -> HeadLinear:
+    if weights is HeadWeights.PLAIN:
+        return Linear(in_features, out_features, bias=bias, dtype=dtype)
+    return PackedLinear(in_features, out_features, bias=bias, dtype=dtype,
+                        dual=weights is HeadWeights.DUAL)
 
 
 def _norm(dim: int, config: EagleConfig, dtype: jnp.dtype) -> RMSNorm:
@@ -65,11 +77,11 @@ def _norm(dim: int, config: EagleConfig, dtype: jnp.dtype) -> RMSNorm:
 
 
 class _MLP(nnx.Module):
-    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, packed: bool):
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, weights: HeadWeights):
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = _linear(h, i, bias=bias, dtype=dtype, packed=packed)
-        self.up_proj = _linear(h, i, bias=bias, dtype=dtype, packed=packed)
-        self.down_proj = _linear(i, h, bias=bias, dtype=dtype, packed=packed)
+        self.gate_proj = _linear(h, i, bias=bias, dtype=dtype, weights=weights)
+        self.up_proj = _linear(h, i, bias=bias, dtype=dtype, weights=weights)
+        self.down_proj = _linear(i, h, bias=bias, dtype=dtype, weights=weights)
         self.activation = config.activation
 
     def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
@@ -81,13 +93,13 @@ class _MLP(nnx.Module):
 
 class _Attention(nnx.Module):
     def __init__(self, in_features: int, config: EagleConfig, *, dtype: jnp.dtype,
-                 packed: bool):
+                 weights: HeadWeights):
         d, bias = config.head_dim, config.attention_bias
         heads, kv_heads = config.num_heads * d, config.num_kv_heads * d
-        self.q_proj = _linear(in_features, heads, bias=bias, dtype=dtype, packed=packed)
-        self.k_proj = _linear(in_features, kv_heads, bias=bias, dtype=dtype, packed=packed)
-        self.v_proj = _linear(in_features, kv_heads, bias=bias, dtype=dtype, packed=packed)
-        self.o_proj = _linear(heads, config.hidden_size, bias=bias, dtype=dtype, packed=packed)
+        self.q_proj = _linear(in_features, heads, bias=bias, dtype=dtype, weights=weights)
+        self.k_proj = _linear(in_features, kv_heads, bias=bias, dtype=dtype, weights=weights)
+        self.v_proj = _linear(in_features, kv_heads, bias=bias, dtype=dtype, weights=weights)
+        self.o_proj = _linear(heads, config.hidden_size, bias=bias, dtype=dtype, weights=weights)
         self.shape = (config.num_heads, config.num_kv_heads, d)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
@@ -104,12 +116,12 @@ class _Attention(nnx.Module):
 class _Eagle1Layer(nnx.Module):
     """A Llama decoder layer; EAGLE-1 drops the input norm of layer 0."""
 
-    def __init__(self, config: EagleConfig, index: int, *, dtype: jnp.dtype, packed: bool):
+    def __init__(self, config: EagleConfig, index: int, *, dtype: jnp.dtype, weights: HeadWeights):
         h = config.hidden_size
         self.input_layernorm = _norm(h, config, dtype) if index > 0 else None
-        self.self_attn = _Attention(h, config, dtype=dtype, packed=packed)
+        self.self_attn = _Attention(h, config, dtype=dtype, weights=weights)
         self.post_attention_layernorm = _norm(h, config, dtype)
-        self.mlp = _MLP(config, dtype=dtype, packed=packed)
+        self.mlp = _MLP(config, dtype=dtype, weights=weights)
 
     def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array], attend: Attend,
                  layer: int, num_rows: jax.Array | None = None) -> jax.Array:  # [T, H]
@@ -121,13 +133,13 @@ class _Eagle1Layer(nnx.Module):
 class _Eagle3Layer(nnx.Module):
     """The EAGLE-3 midlayer: attention over [normed embedding; normed hidden]."""
 
-    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, packed: bool):
+    def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, weights: HeadWeights):
         h = config.hidden_size
         self.input_layernorm = _norm(h, config, dtype)
         self.hidden_norm = _norm(h, config, dtype)
-        self.self_attn = _Attention(2 * h, config, dtype=dtype, packed=packed)
+        self.self_attn = _Attention(2 * h, config, dtype=dtype, weights=weights)
         self.post_attention_layernorm = _norm(h, config, dtype)
-        self.mlp = _MLP(config, dtype=dtype, packed=packed)
+        self.mlp = _MLP(config, dtype=dtype, weights=weights)
         self.norm_before_residual = config.norm_before_residual
 
     def __call__(self, hidden: jax.Array, embeds: jax.Array, rope: tuple[jax.Array, jax.Array],
@@ -144,7 +156,7 @@ class EagleHead(nnx.Module):
     """An EAGLE-1 or EAGLE-3 draft head (see the module docstring)."""
 
     def __init__(self, config: EagleConfig, *, dtype: jnp.dtype, own_embedding: bool = False,
-                 packed: bool = False):
+                 weights: HeadWeights = HeadWeights.PLAIN):
         self.config = config
         # Inputs from the target (its features, a float32 hidden) are cast to this
         # on entry: a bfloat16 head then multiplies in the CPU's bfloat16 kernels.
@@ -153,15 +165,15 @@ class EagleHead(nnx.Module):
         self.embed_tokens = (Embedding(config.vocab_size, h, dtype=dtype)
                              if own_embedding else None)
         if config.layout is EagleLayout.EAGLE1:
-            self.fc = _linear(2 * h, h, bias=config.fc_bias, dtype=dtype, packed=packed)
-            self.layers = nnx.List([_Eagle1Layer(config, i, dtype=dtype, packed=packed)
+            self.fc = _linear(2 * h, h, bias=config.fc_bias, dtype=dtype, weights=weights)
+            self.layers = nnx.List([_Eagle1Layer(config, i, dtype=dtype, weights=weights)
                                     for i in range(config.num_layers)])
         else:
-            self.fc = _linear(config.feature_size, h, bias=False, dtype=dtype, packed=packed)
-            self.midlayer = _Eagle3Layer(config, dtype=dtype, packed=packed)
+            self.fc = _linear(config.feature_size, h, bias=False, dtype=dtype, weights=weights)
+            self.midlayer = _Eagle3Layer(config, dtype=dtype, weights=weights)
             self.norm = _norm(h, config, dtype)
             self.lm_head = _linear(h, config.draft_vocab_size, bias=False, dtype=dtype,
-                                   packed=packed)
+                                   weights=weights)
 
     def embed(self, ids: jax.Array, target: Any) -> jax.Array:  # [T] -> [T, H]
         """Token embeddings: the head's own table if it has one, else the target's."""

@@ -4,6 +4,7 @@ does, and its draft pass skips the bucket's padding rows."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ import pytest
 
 from esurge.models import load_model
 from esurge.models.cpu_kernels import kernel_available
+from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.rope import rope_cos_sin
-from esurge.spec_decode.checkpoint import load_eagle_head
-from esurge.spec_decode.head import EagleHead
+from esurge.spec_decode.checkpoint import head_weights, load_eagle_head
+from esurge.spec_decode.head import EagleHead, HeadWeights
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = REPO / "models" / "tiny-stdlib-eagle"
@@ -40,11 +42,13 @@ def _draft_pass(head: EagleHead, target: Any, features: jax.Array, ids: jax.Arra
     return hidden, head.logits(hidden, target)
 
 
+@pytest.mark.parametrize("weights", [HeadWeights.PANELS, HeadWeights.DUAL])
 @pytest.mark.parametrize("rows", [7, 40])
-def test_packed_projections_draft_as_the_checkpoint_layout(rows: int) -> None:
+def test_packed_projections_draft_as_the_checkpoint_layout(rows: int,
+                                                           weights: HeadWeights) -> None:
     target = load_model(REPO / "models" / "tiny-stdlib", "float32")
     reference = load_eagle_head(HEAD, target.config).module()
-    packed = load_eagle_head(HEAD, target.config, "float32", pack=True).module()
+    packed = load_eagle_head(HEAD, target.config, "float32", weights).module()
     rng = np.random.default_rng(rows)
     features = jnp.asarray(rng.normal(size=(rows, reference.config.feature_size)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, reference.config.vocab_size, rows), jnp.int32)
@@ -59,6 +63,11 @@ def test_packed_projections_draft_as_the_checkpoint_layout(rows: int) -> None:
                                rtol=1e-4, atol=1e-4 * scale)
     assert (np.asarray(logits)[:real].argmax(-1)
             == np.asarray(want_logits)[:real].argmax(-1)).all()
+    if weights is HeadWeights.DUAL and rows > DUAL_KERNEL_MAX_ROWS:
+        # XLA's matmul on the input-major weights: every row, as the checkpoint's.
+        np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden),
+                                   rtol=1e-4, atol=1e-4)
+        return
     # num_rows reaches every projection: the real rows are those of a pass over
     # all rows, bit for bit, and the padding rows are not.
     every_hidden, _ = _draft_pass(packed, module, features, ids, None)
@@ -67,3 +76,16 @@ def test_packed_projections_draft_as_the_checkpoint_layout(rows: int) -> None:
     # The kernels never computed the padding rows: their projections are zeros.
     padded = np.asarray(packed.fc(features.astype(packed.dtype), jnp.int32(real)))
     assert not padded[real:].any()
+
+
+@pytest.mark.parametrize(("packed", "dual", "on_mesh", "want"), [
+    (True, False, False, HeadWeights.PANELS),
+    (True, True, False, HeadWeights.DUAL),  # no AVX-512: big buckets on XLA's matmul
+    (True, True, True, HeadWeights.PLAIN),  # replicated over a tp mesh
+    (False, False, False, HeadWeights.PLAIN),
+])
+def test_the_head_takes_its_targets_layout(packed: bool, dual: bool, on_mesh: bool,
+                                           want: HeadWeights) -> None:
+    config = load_model(REPO / "models" / "tiny-stdlib", "float32").config
+    config = dataclasses.replace(config, packed_weights=packed, dual_layout=dual)
+    assert head_weights(config, on_mesh=on_mesh) is want

@@ -49,7 +49,7 @@ from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
-from esurge.spec_decode.checkpoint import head_serving_dtype, load_eagle_head
+from esurge.spec_decode.checkpoint import head_serving_dtype, head_weights, load_eagle_head
 from esurge.spec_decode.config import EagleLayout
 from esurge.spec_decode.draft_length import (
     Acceptance,
@@ -127,14 +127,10 @@ class SpecDecoder:
         self.num_spec = spec.num_speculative_tokens
         # Under tensor parallelism the head is replicated: it is one small layer,
         # and its drafts must be the same on every device.
-        # On one device the head's projections go in the target's CPU kernels
-        # when they serve its dtype (packed panels), not in XLA's matmuls (without
-        # AVX-512 the panels serve only small steps: the head stays unpacked there).
-        pack = (model.mesh is None and model.config.packed_weights
-                and not model.config.dual_layout)
-        self.head_dtype = head_serving_dtype(model.dtype, pack)
+        weights = head_weights(model.config, on_mesh=model.mesh is not None)
+        self.head_dtype = head_serving_dtype(model.dtype, weights)
         self.head = replicated(load_eagle_head(spec.speculative_model, model.config,
-                                               self.head_dtype, pack=pack), model.mesh)
+                                               self.head_dtype, weights), model.mesh)
         config = self.head.config
         self.layout = config.layout
         # The head names layer inputs; forward reports layer outputs (input of i = output of i-1).
