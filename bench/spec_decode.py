@@ -15,6 +15,7 @@ Eagle engine's mean acceptance length and drafts per verification (the
 adaptive policy chooses each step's count, 1 to k) over its timed runs.
 
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
+        [--buckets 4,16]
         [--dtype float32] [--speculation adaptive] [--prompts stdlib|random|chat]
         [--rounds 2] [--scheduling async|sync] [--model M --head H] [--paired]
 
@@ -95,15 +96,26 @@ def chat_prompts(model_dir: Path, count: int, seed: int) -> list[Any]:
             for i in range(count)]
 
 
-def make_engine(model_dir: Path, head: Path | None, k: int, batches: list[int],
+def request_buckets(args: argparse.Namespace) -> list[int]:
+    """The engine's request buckets: --buckets, or one per batch size."""
+    batches = [int(b) for b in args.batches.split(",")]
+    if not args.buckets:
+        return batches
+    buckets = sorted(int(b) for b in args.buckets.split(","))
+    if buckets[-1] < max(batches):
+        raise SystemExit(f"--buckets {args.buckets} must reach the largest batch {max(batches)}")
+    return buckets
+
+
+def make_engine(model_dir: Path, head: Path | None, k: int, buckets: list[int],
                 dtype: str, speculation: str, async_scheduling: bool) -> Any:
     from esurge import CacheConfig, Config, SchedulerConfig, SpeculativeConfig, eSurge
 
     spec = SpeculativeConfig(k, str(head)) if head is not None else None
     config = Config(
-        SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=512,
+        SchedulerConfig(max_num_seqs=max(buckets), max_num_batched_tokens=512,
                         max_model_len=PROMPT_TOKENS + NEW_TOKENS + 8,
-                        chunked_prefill_enabled=True, max_num_seq_buckets=tuple(batches),
+                        chunked_prefill_enabled=True, max_num_seq_buckets=tuple(buckets),
                         async_scheduling=async_scheduling),
         CacheConfig(num_pages=None, page_size=16, enable_prefix_caching=False),
         spec,
@@ -155,8 +167,8 @@ def measure_paired(args: argparse.Namespace) -> list[dict[str, float]]:
     pairs do not carry that, so this resolves differences of a few percent."""
     batches = [int(b) for b in args.batches.split(",")]
     asynchronous = args.scheduling == "async"
-    engines = [make_engine(args.model, head, args.k, batches, args.dtype, args.speculation,
-                           asynchronous) for head in (None, args.head)]
+    engines = [make_engine(args.model, head, args.k, request_buckets(args), args.dtype,
+                           args.speculation, asynchronous) for head in (None, args.head)]
     rows = []
     try:
         pool, cursor = prompt_pool(args, batches), 0
@@ -190,8 +202,8 @@ def measure(args: argparse.Namespace, eagle: bool) -> dict[int, dict[str, float]
     """One engine's best seconds per batch size (and the Eagle one's acceptance),
     in this process. Per batch size: an untimed pass, then --repeats timed ones."""
     batches = [int(b) for b in args.batches.split(",")]
-    llm = make_engine(args.model, args.head if eagle else None, args.k, batches, args.dtype,
-                      args.speculation, args.scheduling == "async")
+    llm = make_engine(args.model, args.head if eagle else None, args.k, request_buckets(args),
+                      args.dtype, args.speculation, args.scheduling == "async")
     out: dict[int, dict[str, float]] = {}
     try:
         pool = prompt_pool(args, batches)
@@ -227,6 +239,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             child = [sys.executable, __file__, "--child", name, "--model", str(args.model),
                      "--head", str(args.head), "--k", str(args.k), "--repeats",
                      str(args.repeats), "--batches", args.batches, "--seed", str(args.seed),
+                     "--buckets", args.buckets,
                      "--dtype", args.dtype, "--speculation", args.speculation,
                      "--prompts", args.prompts, "--scheduling", args.scheduling]
             done = subprocess.run(child, check=True, stdout=subprocess.PIPE, text=True)
@@ -261,6 +274,8 @@ def main() -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--buckets", default="",
+                   help="request buckets (default: one per batch size); make serve's: 4,16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--speculation", default="adaptive", choices=("adaptive", "always"))

@@ -201,11 +201,13 @@ class EagleHead(nnx.Module):
             x = layer(x, rope, attend, i, num_rows)
         return x
 
-    def logits(self, hidden: jax.Array, target: Any) -> jax.Array:
-        """[T, H] -> [T, draft_vocab] float32 (the target's LM head for EAGLE-1)."""
+    def logits(self, hidden: jax.Array, target: Any, num_rows: jax.Array | None = None
+               ) -> jax.Array:
+        """[T, H] -> [T, draft_vocab] float32 (the target's LM head for EAGLE-1);
+        packed projections skip rows at and past num_rows (their logits are zeros)."""
         if self.config.layout is EagleLayout.EAGLE3:
-            return self.lm_head(self.norm(hidden)).astype(jnp.float32)
-        return target.compute_logits(hidden)
+            return self.lm_head(self.norm(hidden), num_rows).astype(jnp.float32)
+        return target.compute_logits(hidden, num_rows)
 
 
 class EagleState:

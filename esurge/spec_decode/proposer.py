@@ -172,6 +172,13 @@ def _step_slots(page_tables: jax.Array, positions: jax.Array, live: jax.Array,
     return jnp.where(ok, page * page_size + positions % page_size, NULL_PAGE * page_size)
 
 
+def _rows_through_last(live: jax.Array) -> jax.Array:  # [R] bool -> [] int32
+    """Rows up to the last live one: the bucket's padding requests come after
+    every real one, so packed projections may skip the rest (a lone request in
+    a bucket of 4 would otherwise cost each draft step four rows)."""
+    return jnp.max(jnp.where(live, jnp.arange(1, live.shape[0] + 1), 0)).astype(jnp.int32)
+
+
 @dataclass(frozen=True)
 class FirstDraft:
     """A draft position's state: its token, distribution, hidden state and position."""
@@ -197,7 +204,8 @@ def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: Mod
     head, target = head_state.module(), target_state.shell()
     hidden, pos, cache = _first_pass(head, target, cache, batch, features, out_tokens,
                                      num_out, window)
-    token, probs = _draw(head.logits(hidden, target), jnp.asarray(batch.temperature),
+    real = _rows_through_last(jnp.asarray(batch.propose))
+    token, probs = _draw(head.logits(hidden, target, real), jnp.asarray(batch.temperature),
                          None if noise is None else noise[0], head_state.d2t,
                          head.config.vocab_size)
     pos = jnp.where(jnp.asarray(batch.propose), pos, 0)
@@ -220,6 +228,7 @@ def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: Mod
     head, target = head_state.module(), target_state.shell()
     config, d2t = head.config, head_state.d2t
     rows = jnp.arange(page_tables.shape[0])
+    real = _rows_through_last(live)
 
     def body(i: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
         keys, values, hidden, token, pos, tokens, probs = carry
@@ -228,8 +237,8 @@ def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: Mod
         slots = _step_slots(page_tables, pos, live, cache.page_size)
         attend = _PagedAttend(DraftKVCache(keys, values), metadata, slots, config, window)
         rope = rope_cos_sin(config.rope, config.head_dim, pos, pos + 1)
-        hidden = head.step(hidden, head.embed(token, target), rope, attend)
-        token, step_probs = _draw(head.logits(hidden, target), temperature,
+        hidden = head.step(hidden, head.embed(token, target), rope, attend, real)
+        token, step_probs = _draw(head.logits(hidden, target, real), temperature,
                                   None if noise is None else noise[i + 1], d2t,
                                   config.vocab_size)
         tokens = tokens.at[i].set(token)
@@ -286,9 +295,10 @@ def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state:
     slots = _step_slots(page_tables, pos, moving, cache.page_size)
     attend = _PagedAttend(cache, metadata, slots, config, window)
     rope = rope_cos_sin(config.rope, config.head_dim, pos, pos + 1)
-    stepped = head.step(prev.hidden, head.embed(prev.token, target), rope, attend)
+    real = _rows_through_last(live)
+    stepped = head.step(prev.hidden, head.embed(prev.token, target), rope, attend, real)
     hidden = jnp.where(advance, stepped, prev.hidden)
-    logits = _grammar_masked(head.logits(hidden, target), allowed, head_state.d2t)
+    logits = _grammar_masked(head.logits(hidden, target, real), allowed, head_state.d2t)
     token, probs = _draw(logits, temperature, noise, head_state.d2t, config.vocab_size)
     return FirstDraft(token, probs, hidden, pos), attend.cache()
 

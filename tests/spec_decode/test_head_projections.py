@@ -19,6 +19,7 @@ from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.checkpoint import head_weights, load_eagle_head
 from esurge.spec_decode.head import EagleHead, HeadWeights
+from esurge.spec_decode.proposer import _rows_through_last
 
 REPO = Path(__file__).resolve().parents[2]
 HEAD = REPO / "models" / "tiny-stdlib-eagle"
@@ -89,3 +90,27 @@ def test_the_head_takes_its_targets_layout(packed: bool, dual: bool, on_mesh: bo
     config = load_model(REPO / "models" / "tiny-stdlib", "float32").config
     config = dataclasses.replace(config, packed_weights=packed, dual_layout=dual)
     assert head_weights(config, on_mesh=on_mesh) is want
+
+
+def test_draft_logits_skip_the_rows_past_the_last_drafting_request() -> None:
+    """A lone request in a bucket of 4: each draft step's LM head computes one row."""
+    target = load_model(REPO / "models" / "tiny-stdlib", "float32")
+    head = load_eagle_head(HEAD, target.config, "float32", HeadWeights.DUAL).module()
+    module = target.model_state.module()
+    live = jnp.asarray([True, False, False, False])
+    real = _rows_through_last(live)
+    assert int(real) == 1
+    hidden = jnp.asarray(np.random.default_rng(0).normal(size=(4, head.config.hidden_size)),
+                         jnp.float32)
+    every = np.asarray(head.logits(hidden, module))
+    some = np.asarray(head.logits(hidden, module, real))
+    np.testing.assert_array_equal(some[:1], every[:1])
+    assert not some[1:].any() and every[1:].any()
+
+
+@pytest.mark.parametrize(("live", "rows"), [
+    ([False, False, False, False], 0), ([True, False, False, False], 1),
+    ([False, True, False, True], 4), ([True, True, True, False], 3)])
+def test_draft_steps_compute_the_rows_through_the_last_drafting_one(live: list[bool],
+                                                                    rows: int) -> None:
+    assert int(_rows_through_last(jnp.asarray(live))) == rows

@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from esurge.runner.sampler import SamplerVariant
+from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.padding import padding_inputs
 from esurge.runner.steps.plain import run_model_step, sampling_tensors
+from esurge.runner.steps.speculative.decoder import TargetPass
 from esurge.spec_decode.draft_length import CostCurve, StepCosts
 
 if TYPE_CHECKING:
@@ -60,6 +61,16 @@ def timing_inputs(runner: eSurgeRunner, requests: int, drafts: int) -> StepInput
     qsl[0] = 0
     batch = dataclasses.replace(inputs.batch, query_start_loc=qsl, logits_indices=logits)
     return dataclasses.replace(inputs, batch=batch)
+
+
+def _drafting(target: TargetPass, requests: int) -> TargetPass:
+    """The target pass with its first `requests` rows drafting: the draft steps
+    compute the rows up to the last that drafts, so a timing step without real
+    requests would time none."""
+    propose = np.zeros_like(np.asarray(target.draft_batch.propose))
+    propose[:requests] = True
+    return dataclasses.replace(
+        target, draft_batch=dataclasses.replace(target.draft_batch, propose=propose))
 
 
 def _seconds(run: Callable[[], object], repeats: int) -> float:
@@ -119,11 +130,12 @@ def measure_step_costs(runner: eSurgeRunner, repeats: int = 3) -> StepCosts | No
             tensors = dataclasses.replace(tensors, allowed=runner.grammars.all_allowed(
                 step_inputs.num_reqs_bucket * (1 + spec.num_spec)))
 
-            def run(step_inputs: StepInputs = step_inputs, tensors: object = tensors,
-                    drafts: int = drafts) -> object:
-                _, device.kv_cache, step = spec.run(state, device.kv_cache, ib, step_inputs,
-                                                    tensors, variant,  # type: ignore[arg-type]
-                                                    always_draft=True, proposals=drafts)
+            def run(step_inputs: StepInputs = step_inputs, tensors: SamplingTensors = tensors,
+                    drafts: int = drafts, batch: int = batch) -> object:
+                device.kv_cache, target = spec.target_pass(state, device.kv_cache, ib,
+                                                           step_inputs, tensors, variant)
+                step = spec.proposal(state, ib, step_inputs, _drafting(target, batch),
+                                     always_draft=True, proposals=drafts)
                 return step.verified.token_ids, step.drafts
 
             speculative[drafts - 1].append((batch, _seconds(run, repeats)))
