@@ -157,9 +157,9 @@ def _packed_params(params: HeadParams, dual: bool) -> HeadParams:
 
 def head_weights(target: DecoderConfig, *, on_mesh: bool) -> HeadWeights:
     """The head's projections in its target's layout: on one device, the CPU
-    kernels' panels where the target is packed (at a draft step's few rows they
-    take 0.4-0.8 of XLA's matmul time), beside input-major weights for large
-    buckets where the target keeps both (CPUs without AVX-512)."""
+    kernels' panels where the target is packed (SmolLM2's head at 1 and 5 rows
+    on a 2-core AVX2 EPYC: 0.45-0.65 of XLA's matmul time), beside input-major
+    weights for large buckets where the target keeps both (no AVX-512)."""
     if on_mesh or not target.packed_weights:
         return HeadWeights.PLAIN
     return HeadWeights.DUAL if target.dual_layout else HeadWeights.PANELS
