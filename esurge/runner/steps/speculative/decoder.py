@@ -255,7 +255,8 @@ class SpecDecoder:
             model_state, kv_cache, inputs.batch, self.feature_layers)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
-                              variant, self.draft_vocab)
+                              variant, self.draft_vocab,
+                              np.int32(len(inputs.req_ids) * (1 + self.num_spec)))
         draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
 

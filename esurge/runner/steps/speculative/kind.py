@@ -149,5 +149,6 @@ class SpeculativeStep:
             allowed=runner.grammars.all_allowed(requests * (k + 1)))
         out = verify_jit(plan.logits_of[requests], tensors, np.zeros((requests, k), np.int32),
                          np.zeros(requests, np.int32), self.spec.prob_buffer,
-                         np.zeros(requests, np.int32), variant, self.spec.draft_vocab)
+                         np.zeros(requests, np.int32), variant, self.spec.draft_vocab,
+                         np.int32(requests * (k + 1)))
         return out.token_ids

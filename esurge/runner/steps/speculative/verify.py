@@ -26,6 +26,7 @@ from flax import struct
 
 from esurge.models.local_shards import host_visible
 from esurge.models.reductions import first_argmax
+from esurge.runner.real_rows import argmax_rows
 from esurge.runner.sampler import (
     SamplerVariant,
     SamplingTensors,
@@ -104,13 +105,16 @@ def verify(
     prob_slots: jax.Array,  # [R] int32: each request's slot in draft_probs
     variant: SamplerVariant,
     draft_vocab: int,
+    num_rows: jax.Array,  # [] int32: logits rows of real requests (the first ones)
 ) -> SpecSamplerOutput:
-    """Verify every request's drafts; see the module docstring."""
+    """Verify every request's drafts; see the module docstring. The greedy pick
+    skips the padding requests' rows where the backend loops over rows
+    (esurge.runner.real_rows): a lone request in a bucket of 4 has 15 of 20."""
     r, k = drafts.shape
     s = k + 1
     rows = _per_row(tensors, s)
     raw, processed = process(logits.astype(jnp.float32), rows, variant)
-    greedy = first_argmax(processed)
+    greedy = argmax_rows(processed, num_rows)
     tokens, num_out = accept_greedy(greedy.reshape(r, s), drafts, num_drafts)
     noise = None
     if not variant.all_greedy:
