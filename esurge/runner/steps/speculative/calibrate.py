@@ -66,9 +66,7 @@ def timing_inputs(runner: eSurgeRunner, requests: int, drafts: int) -> StepInput
 def _drafting(target: TargetPass, requests: int) -> TargetPass:
     """The target pass with its first `requests` rows drafting: the draft steps
     compute the rows up to the last that drafts, so a timing step without real
-    requests would time none. (Its verification's greedy pick, over real
-    requests' rows only, still runs over none: about 0.1 ms a request, which
-    `DraftLength`'s online overhead takes up.)"""
+    requests would time none (its verification is told the same count)."""
     propose = np.zeros_like(np.asarray(target.draft_batch.propose))
     propose[:requests] = True
     return dataclasses.replace(
@@ -135,7 +133,8 @@ def measure_step_costs(runner: eSurgeRunner, repeats: int = 3) -> StepCosts | No
             def run(step_inputs: StepInputs = step_inputs, tensors: SamplingTensors = tensors,
                     drafts: int = drafts, batch: int = batch) -> object:
                 device.kv_cache, target = spec.target_pass(state, device.kv_cache, ib,
-                                                           step_inputs, tensors, variant)
+                                                           step_inputs, tensors, variant,
+                                                           requests=batch)
                 step = spec.proposal(state, ib, step_inputs, _drafting(target, batch),
                                      always_draft=True, proposals=drafts)
                 return step.verified.token_ids, step.drafts

@@ -248,15 +248,17 @@ class SpecDecoder:
             always_draft=always_draft, always_masked=always_masked, proposals=proposals)
 
     def target_pass(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
-                    inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant
-                    ) -> tuple[KVCache, TargetPass]:
-        """The target forward over [last token + drafts] and their verification."""
+                    inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
+                    requests: int | None = None) -> tuple[KVCache, TargetPass]:
+        """The target forward over [last token + drafts] and their verification,
+        which picks from the rows of the first `requests` (default: the step's
+        requests; calibration's timing steps have none of their own)."""
         logits, hidden, features, kv_cache = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
+        real = len(inputs.req_ids) if requests is None else requests
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
-                              variant, self.draft_vocab,
-                              np.int32(len(inputs.req_ids) * (1 + self.num_spec)))
+                              variant, self.draft_vocab, np.int32(real * (1 + self.num_spec)))
         draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
 
