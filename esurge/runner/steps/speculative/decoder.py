@@ -230,22 +230,16 @@ class SpecDecoder:
 
     def run(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
             inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
-            *, grammar_rows: np.ndarray | None = None, always_draft: bool = False,
-            always_masked: bool = False, proposals: int | None = None
-            ) -> tuple[jax.Array, KVCache, SpecStep]:
+            *, grammar_rows: np.ndarray | None = None) -> tuple[jax.Array, KVCache, SpecStep]:
         """Target forward, verification and proposal: (final hidden [T, H], cache, step).
 
         When a request that drafts follows a grammar (grammar_rows [num_reqs]
         bool), the proposal stops after the first pass: its drafts are drawn
         under masks once the emitted tokens are known (`masked_proposals`).
-        always_draft runs the whole proposer even when no request gets drafts,
-        always_masked stops after the first pass (both for warm-up); proposals
-        overrides the draft count proposed for the next step (drafts_for).
         """
         kv_cache, target = self.target_pass(model_state, kv_cache, ib, inputs, tensors, variant)
-        return target.hidden, kv_cache, self.proposal(
-            model_state, ib, inputs, target, grammar_rows=grammar_rows,
-            always_draft=always_draft, always_masked=always_masked, proposals=proposals)
+        return target.hidden, kv_cache, self.proposal(model_state, ib, inputs, target,
+                                                      grammar_rows=grammar_rows)
 
     def target_pass(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
                     inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
@@ -266,7 +260,12 @@ class SpecDecoder:
                  target: TargetPass, *, grammar_rows: np.ndarray | None = None,
                  always_draft: bool = False, always_masked: bool = False,
                  proposals: int | None = None) -> SpecStep:
-        """The head's drafts after a target pass (see `run` for the options)."""
+        """The head's drafts after a target pass (see `run` for grammar_rows).
+
+        always_draft runs the whole proposer even when no request gets drafts,
+        always_masked stops after the first pass (warm-up and calibration);
+        proposals overrides the draft count proposed for the next step (drafts_for).
+        """
         verified, draft_batch, eligible = target.verified, target.draft_batch, target.eligible
         if always_masked or (grammar_rows is not None and (eligible & grammar_rows).any()):
             first, self.cache = propose_first(
