@@ -29,8 +29,8 @@ from esurge.models.kv_cache import KVCache
 from esurge.models.layers import DecoderLayer
 from esurge.models.paged_attention import AttentionMetadata
 
-__all__ = ["HashedGraph", "ModelState", "Params", "SharedLayerTraces", "SplitGraph", "forward",
-           "jit_forward"]
+__all__ = ["HashedGraph", "ModelState", "Params", "SharedLayerTraces", "ShellState", "SplitGraph",
+           "forward", "jit_forward"]
 
 
 class HashedGraph:
@@ -70,29 +70,88 @@ class HashedGraph:
 class SplitGraph:
     """A model's graph in parts: the model with no decoder layers, and each layer's graph."""
 
-    shell: nnx.GraphDef[CausalLM]
+    shell: HashedGraph
     layers: tuple[HashedGraph, ...]  # one object per distinct layer structure
 
 
 Params = dict[str, Any]  # nested {module name: ... {param name: array}}, as nnx.to_pure_dict
 
 
+class ShellState:
+    """The parameters outside the decoder layers (embedding, final norm, LM head)
+    as a pytree: what a program that only embeds or projects to the vocabulary
+    (the draft head's steps, prompt logprobs) needs of the model.
+
+    A jit call checks and prepares every leaf of its arguments on the host,
+    about 2 us each on a 2-core EPYC: the whole model is some 18 leaves a layer
+    (545 for SmolLM2, about 1 ms a call), its shell a handful.
+    """
+
+    __slots__ = ("_graph", "params")
+
+    def __init__(self, graph: HashedGraph, params: Params) -> None:
+        self._graph = graph
+        self.params = params
+
+    def shell(self) -> CausalLM:
+        """The module without its decoder layers."""
+        return nnx.merge(self._graph.graphdef, self.params)
+
+    def _flatten(self) -> tuple[tuple[Params], HashedGraph]:
+        return (self.params,), self._graph
+
+    @classmethod
+    def _unflatten(cls, graph: HashedGraph, children: tuple[Params]) -> ShellState:
+        return cls(graph, children[0])
+
+
+jax.tree_util.register_pytree_node(ShellState, ShellState._flatten, ShellState._unflatten)
+
+
+class _StateShape:
+    """A ModelState's static half: its graph and its parameters' tree structure,
+    hashed once and compared by identity first (jit hashes and compares it on
+    every call)."""
+
+    __slots__ = ("_hash", "graph", "treedef")
+
+    def __init__(self, graph: HashedGraph, treedef: jax.tree_util.PyTreeDef) -> None:
+        self.graph, self.treedef = graph, treedef
+        self._hash = hash((graph, treedef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _StateShape):
+            return NotImplemented
+        return self is other or (self._hash == other._hash and self.graph == other.graph
+                                 and self.treedef == other.treedef)
+
+
 class ModelState:
     """A model as a pytree: its static graph definition and its parameter arrays.
 
-    params is a plain nested dict (flattened by jit in C++, unlike nnx.State).
+    params is a plain nested dict, never changed in place: the state keeps its
+    leaves in a flat tuple, which jit flattens at every call. Walking the
+    nested dicts instead (key sorting and lookups, some 550 leaves for
+    SmolLM2) was a fifth of a step call's host time on a 2-core EPYC.
     """
 
-    __slots__ = ("_static", "params")
+    __slots__ = ("_leaves", "_shape", "_shell", "params")
 
     def __init__(self, graphdef: nnx.GraphDef[CausalLM], params: Params) -> None:
-        self._static = HashedGraph(graphdef)
-        self.params = params
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        self._init(_StateShape(HashedGraph(graphdef), treedef), tuple(leaves), params)
+
+    def _init(self, shape: _StateShape, leaves: tuple[Any, ...], params: Params) -> None:
+        self._shape, self._leaves, self.params = shape, leaves, params
+        self._shell: ShellState | None = None
 
     @property
     def graphdef(self) -> nnx.GraphDef[CausalLM]:
         """The static nnx graph definition."""
-        return self._static.graphdef
+        return self._shape.graph.graphdef
 
     def module(self) -> CausalLM:
         """The nnx module holding these parameters."""
@@ -105,28 +164,35 @@ class ModelState:
         cost of tracing a step once the layers share one trace; a step
         program merges the shell and runs the layers with SharedLayerTraces.
         """
-        model = {k: v for k, v in self.params["model"].items() if k != "layers"}
-        return nnx.merge(self.split_graph().shell, {**self.params, "model": model})
+        return self.shell_state().shell()
+
+    def shell_state(self) -> ShellState:
+        """The shell's parameters alone (kept: the same object every call)."""
+        if self._shell is None:
+            model = {k: v for k, v in self.params["model"].items() if k != "layers"}
+            self._shell = ShellState(self.split_graph().shell, {**self.params, "model": model})
+        return self._shell
 
     def split_graph(self) -> SplitGraph:
         """The graph in parts, computed once per graph (shared by every trace)."""
-        static = self._static
+        static = self._shape.graph
         if static.split is None:
             model = self.module()
             distinct: dict[HashedGraph, HashedGraph] = {}
             layers = tuple(distinct.setdefault(g, g) for g in (
                 HashedGraph(nnx.graphdef(layer)) for layer in model.model.layers))
             model.model.layers = nnx.List([])
-            static.split = SplitGraph(nnx.graphdef(model), layers)
+            static.split = SplitGraph(HashedGraph(nnx.graphdef(model)), layers)
         return static.split
 
-    def _flatten(self) -> tuple[tuple[Params], HashedGraph]:
-        return (self.params,), self._static
+    def _flatten(self) -> tuple[tuple[Any, ...], _StateShape]:
+        return self._leaves, self._shape
 
     @classmethod
-    def _unflatten(cls, static: HashedGraph, children: tuple[Params]) -> ModelState:
+    def _unflatten(cls, shape: _StateShape, children: tuple[Any, ...]) -> ModelState:
         state = cls.__new__(cls)
-        state._static, state.params = static, children[0]
+        leaves = tuple(children)
+        state._init(shape, leaves, jax.tree_util.tree_unflatten(shape.treedef, leaves))
         return state
 
 

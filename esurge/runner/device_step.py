@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from esurge.models.batch import ForwardBatch
-from esurge.models.forward import ModelState, forward, logits_rows
+from esurge.models.forward import ModelState, ShellState, forward, logits_rows
 from esurge.models.kv_cache import KVCache
 from esurge.models.local_shards import host_visible
 from esurge.runner.packed_inputs import InputLayout
@@ -174,12 +174,12 @@ def sampled_logprobs_step(
 
 @partial(jax.jit, static_argnums=(4,))
 def prompt_logprobs_step(
-    model_state: ModelState,
+    shell_state: ShellState,
     hidden: jax.Array,  # [T, H] final hidden states of the step
     rows: jax.Array,  # [C] int32: token rows to score
     targets: jax.Array,  # [C] int32: the prompt token each row predicts
     top_n: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probabilities of prompt tokens: (ids [C, 1 + n], logprobs [C, 1 + n], ranks [C])."""
-    return host_visible(token_logprobs(model_state.shell().compute_logits(hidden[rows]),
+    return host_visible(token_logprobs(shell_state.shell().compute_logits(hidden[rows]),
                                        targets, top_n))

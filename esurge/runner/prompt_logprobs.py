@@ -36,7 +36,7 @@ class PromptLogprobsComputer:
     """Tracks, per request, which prompt positions were reported."""
 
     def __init__(self, model_state: ModelState) -> None:
-        self._model_state = model_state
+        self._shell = model_state.shell_state()
         self._next: dict[str, int] = {}  # next prompt position to report
 
     def release(self, req_ids: set[str]) -> None:
@@ -82,7 +82,7 @@ class PromptLogprobsComputer:
         tgt_arr = np.zeros(calls * size, np.int32)
         row_arr[:len(rows)] = rows
         tgt_arr[:len(targets)] = targets
-        parts = [prompt_logprobs_step(self._model_state, hidden, row_arr[at:at + size],
+        parts = [prompt_logprobs_step(self._shell, hidden, row_arr[at:at + size],
                                       tgt_arr[at:at + size], MAX_LOGPROBS)
                  for at in range(0, calls * size, size)]
         ids, lps, ranks = (np.concatenate([to_host(part[i]) for part in parts])

@@ -35,8 +35,8 @@ def _prompt_logprob_programs(runner: eSurgeRunner, plan: WarmupPlan) -> list[Pro
 
     def compile_one(tokens: int) -> object:
         idx = np.zeros(gather_rows(tokens), np.int32)
-        return prompt_logprobs_step(runner.model.model_state, plan.hidden_of[tokens], idx, idx,
-                                    MAX_LOGPROBS)
+        return prompt_logprobs_step(runner.model.model_state.shell_state(),
+                                    plan.hidden_of[tokens], idx, idx, MAX_LOGPROBS)
 
     return [Program(f"prompt logprobs tokens={t}", partial(compile_one, t))
             for t in plan.token_buckets]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from esurge.models.forward import ModelState
+from esurge.models.forward import ShellState
 from esurge.models.kv_cache import NULL_PAGE, placed_zeros
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.reductions import first_argmax
@@ -194,7 +194,7 @@ jax.tree_util.register_dataclass(FirstDraft, data_fields=["token", "probs", "hid
 
 
 @partial(jax.jit, static_argnames=("window",), donate_argnums=(1,))
-def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: ShellState,
                   batch: DraftBatch, features: jax.Array, out_tokens: jax.Array,
                   num_out: jax.Array, noise: jax.Array | None, *, window: AttentionWindow
                   ) -> tuple[FirstDraft, DraftKVCache]:
@@ -213,7 +213,7 @@ def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: Mod
 
 
 @partial(jax.jit, static_argnames=("max_steps", "window"), donate_argnums=(1,))
-def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: ShellState,
                   page_tables: jax.Array, live: jax.Array, temperature: jax.Array,
                   first: FirstDraft, noise: jax.Array | None, num_steps: jax.Array, *,
                   max_steps: int, window: AttentionWindow
@@ -271,7 +271,7 @@ def _grammar_masked(logits: jax.Array, allowed: jax.Array, d2t: jax.Array) -> ja
 
 
 @partial(jax.jit, static_argnames=("window",), donate_argnums=(1,))
-def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state: ModelState,
+def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state: ShellState,
                       page_tables: jax.Array, live: jax.Array, temperature: jax.Array,
                       prev: FirstDraft, noise: jax.Array | None, allowed: jax.Array,
                       advance: jax.Array, *, window: AttentionWindow
@@ -306,7 +306,7 @@ def masked_draft_step(head_state: EagleState, cache: DraftKVCache, target_state:
 def propose(
     head_state: EagleState,
     cache: DraftKVCache,
-    target_state: ModelState,
+    target_state: ShellState,
     batch: DraftBatch,
     features: jax.Array,  # [T, F] target features (final hidden, or fused aux layers)
     out_tokens: jax.Array,  # [R, S] int32: tokens emitted this step

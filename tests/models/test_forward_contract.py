@@ -108,10 +108,10 @@ def test_equal_graphs_share_one_definition_after_the_first_comparison(
     path = make_pair("llama").path
     first, second = (load_model(path).model_state for _ in range(2))
     assert first.graphdef is not second.graphdef
-    assert first._static == second._static
+    assert first._shape == second._shape
     assert first.graphdef is second.graphdef
     other = load_model(path, "bfloat16").model_state
-    assert first._static != other._static  # other dtype: another graph
+    assert first._shape != other._shape  # other dtype: another graph
 
 
 @pytest.mark.parametrize(("family", "structures"), [("llama", 1), ("gemma3", 2)])
@@ -132,3 +132,28 @@ def test_layers_of_one_structure_share_one_trace(make_pair: Callable[..., Pair],
              if e.params.get("name") == "_shared_layer"]
     assert len(calls) == state.module().config.num_layers
     assert len({id(call) for call in calls}) == structures
+
+
+def test_model_state_flattens_to_its_params_leaves_and_shell(make_pair: Callable[..., Pair]
+                                                              ) -> None:
+    state = make_pair("llama").loaded.model_state
+    params_leaves = jax.tree_util.tree_leaves(state.params)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    assert len(leaves) == len(params_leaves)
+    assert all(a is b for a, b in zip(leaves, params_leaves, strict=True))
+    # A mapped state is rebuilt with params in the same places.
+    doubled = jax.tree_util.tree_unflatten(treedef, [np.asarray(x) * 2 for x in leaves])
+    np.testing.assert_array_equal(doubled.params["model"]["norm"]["weight"],
+                                  np.asarray(state.params["model"]["norm"]["weight"]) * 2)
+    assert jax.tree_util.tree_structure(doubled) == treedef
+    # The shell holds every parameter but the decoder layers', and is kept.
+    shell = state.shell_state()
+    assert shell is state.shell_state()
+    no_layers = {**state.params, "model": {k: v for k, v in state.params["model"].items()
+                                            if k != "layers"}}
+    assert [id(x) for x in jax.tree_util.tree_leaves(shell)] == [
+        id(x) for x in jax.tree_util.tree_leaves(no_layers)]
+    assert len(jax.tree_util.tree_leaves(shell)) < len(leaves)
+    hidden = np.ones((2, state.shell().config.hidden_size), np.float32)
+    logits = jax.jit(lambda s, h: s.shell().compute_logits(h))(shell, hidden)
+    np.testing.assert_allclose(logits, state.shell().compute_logits(hidden), rtol=1e-6)

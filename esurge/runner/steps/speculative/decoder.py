@@ -269,7 +269,7 @@ class SpecDecoder:
         verified, draft_batch, eligible = target.verified, target.draft_batch, target.eligible
         if always_masked or (grammar_rows is not None and (eligible & grammar_rows).any()):
             first, self.cache = propose_first(
-                self.head, self.cache, model_state, draft_batch, target.features,
+                self.head, self.cache, model_state.shell_state(), draft_batch, target.features,
                 verified.token_ids, verified.num_out, verified.draft_noise, window=self.window)
             return SpecStep(verified, None, eligible, first, draft_batch)
         # Without a request to draft for (prefill chunks only), the pass that writes
@@ -277,8 +277,9 @@ class SpecDecoder:
         drafting = always_draft or bool(eligible.any())
         count = proposals if proposals is not None else self.drafts_for(len(inputs.req_ids))
         new_drafts, probs, self.cache = propose(
-            self.head, self.cache, model_state, draft_batch, target.features, verified.token_ids,
-            verified.num_out, verified.draft_noise, num_drafts=count if drafting else 1,
+            self.head, self.cache, model_state.shell_state(), draft_batch, target.features,
+            verified.token_ids, verified.num_out, verified.draft_noise,
+            num_drafts=count if drafting else 1,
             max_drafts=self.num_spec, window=self.window)
         if probs is not None and drafting:
             self.store_probs(ib, inputs, eligible, probs)

@@ -36,7 +36,8 @@ class _Drawer:
 
     def __init__(self, spec: SpecDecoder, model_state: ModelState, step: SpecStep,
                  batch: DraftBatch) -> None:
-        self.spec, self.model_state = spec, model_state
+        # The draft step reads only the target's embedding and LM head.
+        self.spec, self.shell = spec, model_state.shell_state()
         self.noise = step.verified.draft_noise
         self.page_tables, self.live, self.temperature = jax.device_put(
             (batch.page_tables, batch.propose, batch.temperature))
@@ -44,7 +45,7 @@ class _Drawer:
     def __call__(self, carry: FirstDraft, position: int, masks: np.ndarray) -> FirstDraft:
         spec = self.spec
         carry, spec.cache = masked_draft_step(
-            spec.head, spec.cache, self.model_state, self.page_tables, self.live,
+            spec.head, spec.cache, self.shell, self.page_tables, self.live,
             self.temperature, carry, None if self.noise is None else self.noise[position],
             masks, np.bool_(position > 0), window=spec.window)
         return carry
