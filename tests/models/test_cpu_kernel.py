@@ -160,11 +160,12 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("decode_rows", [0, 70])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"),
-                         [(4, 4, 24), (8, 2, 64), (6, 3, 40), (4, 2, 128)])
+                         [(4, 4, 24), (8, 2, 64), (6, 3, 40), (4, 2, 128), (9, 3, 64)])
 def test_kernel_matches_xla_across_head_shapes(heads: int, kv_heads: int, dim: int,
                                                decode_rows: int) -> None:
     # Head sizes with and without a 16-wide remainder (64 and 128 take unrolled
-    # score loops), group sizes 1, 2 and 4; a 40-token prefill chunk spans three
+    # score loops), group sizes 1, 2, 3 (SmolLM2's: a decode row is a tile of 3
+    # lanes) and 4; a 40-token prefill chunk spans three
     # query blocks and several key blocks, a decode row and a 3-token
     # verification row sit beside it. With 70 more decode rows there are enough
     # query blocks for the kernel to take all kv heads of a block in one item.

@@ -285,15 +285,28 @@ void AttendLanes(const Problem& p, const Lanes& w, const KeyBlock& blk, const in
   }
 }
 
+#if defined(__AVX512F__)
+constexpr bool kWideLaneTiles = true;
+#else
+// A tile's value sums hold 2 * Tile 256-bit accumulators without AVX-512: 8
+// lanes need 16 of the 16 registers, before the values and the weights, and
+// spill on every key.
+constexpr bool kWideLaneTiles = false;
+#endif
+
 // Prefill blocks (transposed keys) take wide lane tiles; a decode row's few
 // lanes take the narrowest tile that holds them, so no work goes to padding.
 void ForEachLaneTile(const Problem& p, const Lanes& w, const KeyBlock& blk, const int64_t* first,
                      const int64_t* last, int64_t rows, int64_t group, int64_t lanes,
                      bool transpose) {
-  if (transpose || lanes > 4) {
+  if (transpose || (lanes > 4 && kWideLaneTiles)) {
     AttendLanes<8>(p, w, blk, first, last, rows, group, lanes, transpose);
-  } else if (lanes > 2) {
+  } else if (lanes >= 4) {
     AttendLanes<4>(p, w, blk, first, last, rows, group, lanes, transpose);
+  } else if (lanes == 3) {
+    // Three query heads a kv head (SmolLM2, among others): a tile of 4 would
+    // spend a quarter of the value sums on a padding lane.
+    AttendLanes<3>(p, w, blk, first, last, rows, group, lanes, transpose);
   } else if (lanes == 2) {
     AttendLanes<2>(p, w, blk, first, last, rows, group, lanes, transpose);
   } else {
