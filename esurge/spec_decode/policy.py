@@ -135,8 +135,8 @@ class AdaptiveSpeculation(SpeculationPolicy):
     The first `settle` steps of each mode and batch size are not counted
     (StepRate). Rates are over the last 32 steps, so a workload whose
     acceptance drops moves the choice; where plain decoding won, speculation
-    is measured again (`remeasure` steps in a row) after every `refresh`
-    plain steps.
+    is measured again (`remeasure` steps in a row, judged on their own) after
+    every `refresh` plain steps.
     """
 
     drafts_seeded_samples = False
@@ -171,6 +171,10 @@ class AdaptiveSpeculation(SpeculationPolicy):
         if batch <= 0:
             return False
         verdict = self._measured(batch)
+        if verdict is False and self._remeasuring(batch):
+            # Also a step that cannot be measured: a new request's prompt must
+            # pass through the head for the request to draft at all.
+            return True
         if not measurable:
             # Nothing can be learnt from this step: it follows what is known
             # (the nearest batch size measured in both modes), and explores
@@ -179,14 +183,7 @@ class AdaptiveSpeculation(SpeculationPolicy):
             if known is not None:
                 return known
         if verdict is not None:
-            if verdict or self._owed.get(batch, 0) > 0:
-                return True
-            # A losing speculation is measured again now and then: its rate
-            # moves with acceptance, which plain steps cannot see.
-            if self._plain_since.get(batch, 0) >= self.refresh:
-                self._owed[batch] = self.remeasure
-                return True
-            return False
+            return verdict
         # Unmeasured here: a larger batch only makes a step more bound by
         # arithmetic, so a loss measured at a smaller batch, or a win at a
         # larger one, decides without trying.
@@ -202,6 +199,20 @@ class AdaptiveSpeculation(SpeculationPolicy):
             # spent outside its parts: not worth a trial.
             return False
         return spec is None or spec.samples < self.min_samples
+
+    def _remeasuring(self, batch: int) -> bool:
+        """Whether speculation, measured losing at this batch size, is measured
+        again now: its rate moves with acceptance, which plain steps cannot
+        see, so after `refresh` plain steps `remeasure` speculative ones are owed."""
+        if self._owed.get(batch, 0) > 0:
+            return True
+        if self._plain_since.get(batch, 0) < self.refresh:
+            return False
+        self._owed[batch] = self.remeasure
+        # The verdict after it reads the new steps alone: the old ones (often
+        # another request's, whose drafts fared otherwise) would outweigh them.
+        self.rates[True, batch].recent.clear()
+        return True
 
     def _measured(self, batch: int) -> bool | None:
         """Whether speculation beat plain decoding at this batch size (None: not both measured)."""

@@ -125,3 +125,31 @@ def test_a_step_costs_the_span_since_the_step_before_it() -> None:
     # After a pause of the loop (or for the first step) only its own time counts.
     assert step_cost(started=2.0, collected=2.01, last_collected=1.0) == pytest.approx(0.01)
     assert step_cost(started=2.0, collected=2.01, last_collected=None) == pytest.approx(0.01)
+
+
+def test_a_remeasurement_is_judged_on_its_own_steps() -> None:
+    # Speculation lost on one request's prompt; the next request's drafts are
+    # accepted far more often: its steps alone decide, not a window still full
+    # of the first request's.
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, refresh=5, remeasure=2)
+    feed(policy, True, 1, 10, 1, 0.01)  # 100 tok/s
+    feed(policy, False, 1, 5, 1, 0.001)  # 1,000 tok/s
+    assert policy.speculate(1)  # five plain steps since speculation ran: measure again
+    feed(policy, True, 1, 2, 50, 0.01)  # 5,000 tok/s
+    assert policy.speculate(1)
+    assert policy.rates[(True, 1)].tokens_per_s == pytest.approx(5000)
+
+
+def test_a_new_requests_prompt_starts_the_remeasurement() -> None:
+    # Alone, a request that ran a plain step never drafts again: speculation is
+    # measured again on the next request, whose prompt must then go through the
+    # head (a step that cannot be measured).
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, refresh=5, remeasure=2)
+    feed(policy, True, 1, 1, 1, 0.01)
+    feed(policy, False, 1, 4, 1, 0.001)
+    assert not policy.speculate(1, measurable=False)
+    feed(policy, False, 1, 1, 1, 0.001)
+    assert policy.speculate(1, measurable=False)
+    assert policy.speculate(1, measurable=False)  # a longer prompt: still owed
+    feed(policy, True, 1, 2, 1, 0.01)
+    assert not policy.speculate(1, measurable=False)  # measured, and lost again
