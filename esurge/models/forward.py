@@ -82,9 +82,10 @@ class ShellState:
     as a pytree: what a program that only embeds or projects to the vocabulary
     (the draft head's steps, prompt logprobs) needs of the model.
 
-    A jit call checks and prepares every leaf of its arguments on the host,
-    about 2 us each on a 2-core EPYC: the whole model is some 18 leaves a layer
-    (545 for SmolLM2, about 1 ms a call), its shell a handful.
+    A jit call checks and prepares every leaf of its arguments on the host
+    (SmolLM2's model step, with 545 leaves of weights: 1.6-1.8 ms of host CPU a
+    call on a 2-core EPYC): the whole model is some 18 leaves a layer, its
+    shell a handful.
     """
 
     __slots__ = ("_graph", "params")
@@ -134,8 +135,8 @@ class ModelState:
 
     params is a plain nested dict, never changed in place: the state keeps its
     leaves in a flat tuple, which jit flattens at every call. Walking the
-    nested dicts instead (key sorting and lookups, some 550 leaves for
-    SmolLM2) was a fifth of a step call's host time on a 2-core EPYC.
+    nested dicts instead (key sorting and lookups over SmolLM2's 545 leaves)
+    cost about 0.2 ms of a step call's 1.6-1.8 ms host time on a 2-core EPYC.
     """
 
     __slots__ = ("_leaves", "_shape", "_shell", "params")
