@@ -294,8 +294,11 @@ constexpr bool kWideLaneTiles = true;
 constexpr bool kWideLaneTiles = false;
 #endif
 
-// Prefill blocks (transposed keys) take wide lane tiles; a decode row's few
-// lanes take the narrowest tile that holds them, so no work goes to padding.
+// Transposed key blocks (AVX-512 prefill) take wide lane tiles, as do other
+// blocks of many lanes where the registers hold them; a decode row's few lanes
+// take the narrowest tile that holds them, so no work goes to padding. The
+// scratch pads lanes to a multiple of kMaxLaneTile: a tile that does not
+// divide it (3) may only cover all of a block's lanes at once.
 void ForEachLaneTile(const Problem& p, const Lanes& w, const KeyBlock& blk, const int64_t* first,
                      const int64_t* last, int64_t rows, int64_t group, int64_t lanes,
                      bool transpose) {
