@@ -201,9 +201,10 @@ class AdaptiveSpeculation(SpeculationPolicy):
         return spec is None or spec.samples < self.min_samples
 
     def _remeasuring(self, batch: int) -> bool:
-        """Whether speculation, measured losing at this batch size, is measured
-        again now: its rate moves with acceptance, which plain steps cannot
-        see, so after `refresh` plain steps `remeasure` speculative ones are owed."""
+        """Whether speculation, measured losing at this batch size, is being
+        measured again; starts a re-measurement when one is due. Its rate moves
+        with acceptance, which plain steps cannot see: after `refresh` plain
+        steps, `remeasure` speculative ones are owed (and the old ones dropped)."""
         if self._owed.get(batch, 0) > 0:
             return True
         if self._plain_since.get(batch, 0) < self.refresh:
