@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,7 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: Sequence[int] = field(default_factory=list)
     events: list[EngineCoreEvent] = field(default_factory=list)
     stop_reason: int | str | None = None
     num_preemptions: int = 0

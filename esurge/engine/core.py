@@ -5,10 +5,11 @@ scheduled and dispatched to the device before step N's tokens are applied,
 so host work overlaps device work. The scheduler's placeholders make the two
 modes produce the same tokens. A step the executor says does not pipeline
 (a speculative one: how many drafts it accepts moves every position after
-it, and its proposals are the next step's drafts) is collected before the
-next is scheduled; the next is then dispatched at once, before the collected
-step's outputs are returned, so that the caller's work on them (detokenizing,
-stop strings, delivery) overlaps the device instead of idling it.
+it) is collected before the next is scheduled (a speculative step's collect
+waits for its verification, while the device drafts the next step's
+tokens); the next is then dispatched at once, before the collected step's
+outputs are returned, so that the caller's work on them (detokenizing, stop
+strings, delivery) overlaps the device instead of idling it.
 """
 
 from __future__ import annotations

@@ -114,6 +114,8 @@ def model_step_features(
     model_state: ModelState,
     kv_cache: KVCache,
     batch: ForwardBatch,
+    draft_buffer: jax.Array,  # [M, k] int32: the head's last proposals, by slot
+    draft_feed: jax.Array,  # [T] int32: flat index into draft_buffer, -1: batch.input_ids
     feature_layers: tuple[int, ...],
 ) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
     """(logits [L, V], final hidden [T, H], draft features [T, F], updated cache).
@@ -121,8 +123,13 @@ def model_step_features(
     feature_layers () makes the features the final hidden states (EAGLE-1);
     otherwise they are the outputs of those layers concatenated ([T, n * H],
     EAGLE-3). The final hidden state then comes from the last layer's output
-    through the model's final norm, as forward computes it.
+    through the model's final norm, as forward computes it. Token rows with
+    a draft_feed index take their id from the draft buffer: drafts the
+    previous step proposed are fed from the device, not the host.
     """
+    ids = jnp.where(draft_feed >= 0, draft_buffer.reshape(-1)[jnp.maximum(draft_feed, 0)],
+                    batch.input_ids)
+    batch = dataclasses.replace(batch, input_ids=ids)
     if not feature_layers:
         logits, hidden, kv_cache = forward(model_state, kv_cache, batch)
         return logits, hidden, hidden, kv_cache

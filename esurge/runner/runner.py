@@ -213,7 +213,8 @@ class eSurgeRunner:
             # previous step's device output: that plain step's must be known.
             record_plain(self, self.last_plain)
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
-                                   self.prev_index, num_spec, self.tiled_attention)
+                                   self.prev_index, num_spec, self.tiled_attention,
+                                   None if self.spec is None else self.spec.slots.device_slot)
         plan = StepPlan(inputs, ib.sampling.variant(inputs.rows),
                         self.grammars.any_in(inputs.req_ids))
         for kind in self.step_kinds:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,11 @@ class StepInputs:
     With speculative decoding (num_spec > 0), num_drafts[i] draft tokens of
     request i are verified: its last 1 + num_drafts[i] token rows get logits,
     laid out at logits rows [i * (1 + num_spec), ...); sample_positions[i] is
-    then the output index of the first token the step emits.
+    then the output index of the first token the step emits. Drafts the
+    device still holds (the previous step proposed them) are not copied to
+    the host: draft_slots[i] >= 0 is their slot in the head's draft buffer
+    ([slots, num_spec]), and draft_feed[t] >= 0 the flat buffer index of
+    token row t's id (input_ids holds a stale value there).
 
     A decode burst (num_steps > 1) runs num_steps iterations: `batch` is the
     first (one token per request), iteration j moves every request one
@@ -52,19 +57,46 @@ class StepInputs:
     num_spec: int = 0
     num_steps: int = 1
     burst_slots: np.ndarray | None = None  # [num_steps - 1, G, T_bucket] int32
+    draft_slots: np.ndarray | None = None  # [R] int32
+    draft_feed: np.ndarray | None = None  # [T_bucket] int32
+
+
+# The slot of a request's drafts in the draft buffer of the runner's head,
+# for drafts still on the device there (None: their values are on the host).
+DraftSlot = Callable[[Sequence[int]], int | None]
 
 
 def _write_drafts(ib: InputBatch, sched: list[str], rows: np.ndarray,
-                  spec: dict[str, list[int]]) -> np.ndarray:
-    """Put each request's drafts after its known tokens (scratch, num_known unchanged)."""
+                  spec: dict[str, Sequence[int]], slot_of: DraftSlot | None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Put each request's drafts after its known tokens (scratch, num_known
+    unchanged), or note the buffer slot of drafts the device holds:
+    (num_drafts [R], slots [R], -1 where written here)."""
     num_drafts = np.zeros(len(sched), np.int32)
+    slots = np.full(len(sched), -1, np.int32)
     for i, req_id in enumerate(sched):
         drafts = spec.get(req_id)
-        if drafts:
-            row, start = int(rows[i]), int(ib.num_known[rows[i]])
-            ib.token_ids[row, start:start + len(drafts)] = drafts
-            num_drafts[i] = len(drafts)
-    return num_drafts
+        if not drafts:
+            continue
+        num_drafts[i] = len(drafts)
+        slot = None if slot_of is None else slot_of(drafts)
+        if slot is not None:
+            slots[i] = slot
+            continue
+        row, start = int(rows[i]), int(ib.num_known[rows[i]])
+        ib.token_ids[row, start:start + len(drafts)] = list(drafts)
+    return num_drafts, slots
+
+
+def _draft_feed(slots: np.ndarray, num_drafts: np.ndarray, ends: np.ndarray, width: int,
+                t_bucket: int) -> np.ndarray:
+    """[t_bucket] int32: for each draft token row fed from the draft buffer, its
+    index in the flattened [slots, width] buffer; -1 elsewhere."""
+    feed = np.full(t_bucket, -1, np.int32)
+    for i in np.flatnonzero(slots >= 0).tolist():
+        nd, end = int(num_drafts[i]), int(ends[i])
+        feed[end - nd:end] = int(slots[i]) * width + np.arange(nd)
+    return feed
 
 
 def _logits_rows(ends: np.ndarray, num_drafts: np.ndarray, r_bucket: int,
@@ -101,13 +133,14 @@ def query_tiles_for_bucket(num_tokens_bucket: int, tiled: bool = True) -> tuple[
 
 def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets, page_size: int,
                       prev_sample_index: dict[str, int], num_spec: int = 0,
-                      tiled: bool = True) -> StepInputs:
+                      tiled: bool = True, draft_slot: DraftSlot | None = None) -> StepInputs:
     """Flatten the scheduled requests into bucket-padded ForwardBatch arrays.
 
     prev_sample_index maps a request to its sampler row in the step still in
     flight, for tokens whose ids are not on the host yet. num_spec is the
     number of speculative tokens per step (0: speculation off). tiled: see
-    query_tile_for.
+    query_tile_for. draft_slot finds drafts the head's buffer still holds
+    (StepInputs.draft_feed).
     """
     sched = sorted(so.num_scheduled_tokens, key=ib.row_of.__getitem__)
     rows = np.array([ib.row_of[r] for r in sched], np.int64)
@@ -121,8 +154,9 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     r_model = buckets.model_requests(r_bucket) if steps == 1 and not num_spec else r_bucket
     ends = np.cumsum(n_sched)
     starts = ends - n_sched
-    num_drafts = (_write_drafts(ib, sched, rows, so.scheduled_spec_decode_tokens) if num_spec
-                  else np.zeros(num_reqs, np.int32))
+    num_drafts, draft_slots = (
+        _write_drafts(ib, sched, rows, so.scheduled_spec_decode_tokens, draft_slot) if num_spec
+        else (np.zeros(num_reqs, np.int32), None))
     req_of_token = np.repeat(np.arange(num_reqs), n_sched)
     positions = ib.num_computed[rows][req_of_token] + (np.arange(total) - starts[req_of_token])
     token_rows = rows[req_of_token]
@@ -161,7 +195,9 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
         batch=batch, req_ids=sched, rows=rows, samples=samples,
         sample_positions=(seq_lens - num_drafts - ib.num_prompt[rows]).astype(np.int32),
         seq_lens=seq_lens, prev_index=prev_index, num_tokens=total, num_reqs_bucket=r_bucket,
-        num_drafts=num_drafts, num_spec=num_spec, num_steps=steps,
+        num_drafts=num_drafts, num_spec=num_spec, num_steps=steps, draft_slots=draft_slots,
+        draft_feed=(None if draft_slots is None
+                    else _draft_feed(draft_slots, num_drafts, ends, num_spec, t_bucket)),
         burst_slots=(_burst_slots(page_tables, positions, steps, page_size, t_bucket)
                      if steps > 1 else None),
     )

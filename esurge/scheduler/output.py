@@ -7,6 +7,7 @@ New requests (and requests resumed after preemption) come in full as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -103,7 +104,7 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: dict[str, list[int]]
+    scheduled_spec_decode_tokens: dict[str, Sequence[int]]
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     num_seq_bucket: int

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from esurge.core.kv_cache_manager import KVCachePages
 from esurge.request import EngineRequest
 
@@ -20,7 +22,7 @@ class StepPlan:
         self.new_reqs: list[EngineRequest] = []
         self.running: list[EngineRequest] = []
         self.running_pages: list[KVCachePages] = []
-        self.spec: dict[str, list[int]] = {}
+        self.spec: dict[str, Sequence[int]] = {}
         self.preempted: set[str] = set()
 
     def advance(self, async_scheduling: bool) -> None:

@@ -64,6 +64,29 @@ def test_all_drafts_accepted_and_tokens_exact(bigram_engine: eSurge, probs: np.n
         assert out.outputs[0].num_draft_tokens == out.outputs[0].num_accepted_tokens == 18
 
 
+def test_the_next_step_reads_the_drafts_on_the_device(bigram_engine: eSurge, probs: np.ndarray,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from esurge.runner.steps.speculative import draft_slots
+
+    # The step's proposals go back as soon as its verification is read, and the
+    # next step takes them from the head's draft buffer: no draft reaches the host.
+    reads: list[object] = []
+
+    def counted(array: object) -> object:
+        reads.append(array)
+        return np.asarray(array)
+
+    monkeypatch.setattr(draft_slots, "to_host", counted)
+    before = bigram_engine.runner.spec_stats
+    outs = bigram_engine.generate(prompts(seed=13), greedy(25))
+    assert [o.outputs[0].token_ids for o in outs] == [greedy_chain(probs, p, 25)
+                                                     for p in prompts(seed=13)]
+    after = bigram_engine.runner.spec_stats
+    assert before is not None and after is not None
+    assert after.num_accepted_tokens - before.num_accepted_tokens > 0
+    assert reads == []
+
+
 def test_prefix_hits_keep_tokens(bigram_engine: eSurge, probs: np.ndarray) -> None:
     batch = prompts(seed=11)
     first = bigram_engine.generate(batch, greedy(9))

@@ -4,7 +4,11 @@ With speculation on, one step is: the target forward over [last token +
 drafts] rows (plus any prefill rows), verification of the drafts
 (`verify.verify_jit`), then the proposer drafting the next k tokens
 per request from this step's target features. Everything stays on the
-device until `finish` reads the emitted tokens and the new drafts.
+device until `finish` reads the emitted tokens, which waits for the
+verification only: the new drafts stay in the head's draft buffer
+(`draft_slots`) and go back as `DeviceDrafts`, so the engine schedules and
+dispatches the next step while the device still drafts, and that step
+reads them there (`StepInputs.draft_feed`, `verify`'s draft slots).
 
 Requests whose sampling needs per-token host state (penalties, logit bias,
 allowed/bad tokens, min_tokens) are verified like any other but get no
@@ -14,15 +18,16 @@ the head's cache lacks that step's tokens), which the runner takes where
 speculation does not pay (`policy`, esurge.spec_decode.policy).
 
 Draft distributions of sampled requests are kept on the device in a buffer
-of max_rows + 1 slots (the last one a sink for padding rows) until their
-drafts are verified, which may be a later step than the next when the token
-budget skipped the request.
+of max_rows + 1 slots (the last one a sink for padding rows), the slots of
+the draft buffer, until their drafts are verified, which may be a later step
+than the next when the token budget skipped the request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +46,13 @@ from esurge.models.forward import ModelState
 from esurge.models.kv_cache import KVCache
 from esurge.models.loader import LoadedModel
 from esurge.models.tensor_parallel import kv_cache_sharding, replicated
-from esurge.outputs import ModelRunnerOutput, TokenLogprobs
+from esurge.outputs import ModelRunnerOutput
 from esurge.runner.device_step import model_step_features
 from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.speculative.draft_slots import DraftSlots, ReadOnce
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.spec_decode.checkpoint import head_serving_dtype, head_weights, load_eagle_head
@@ -89,6 +95,10 @@ class SpecStep:
     first: FirstDraft | None = None
     draft_batch: DraftBatch | None = None
     count: int = 0  # drafts proposed per request
+    # [R] each request's slot in the draft buffer (the sink where it did not
+    # draft), and which proposal of the decoder this was (None: not kept there).
+    slots: np.ndarray | None = None
+    generation: int = 0
 
 
 @dataclass(slots=True)
@@ -144,9 +154,8 @@ class SpecDecoder:
                                                     jnp.dtype(self.head_dtype), sharding)
         self.prob_buffer = replicated(jnp.zeros((max_rows + 1, self.num_spec, model.vocab_size),
                                                 jnp.float32), model.mesh)
-        self._sink = max_rows
-        self._free_slots = list(range(max_rows - 1, -1, -1))
-        self._slot_of: dict[str, int] = {}
+        # Each drafting request's slot for its drafts and their distributions.
+        self.slots = DraftSlots(max_rows, self.num_spec, model.mesh)
         self.stats = SpecDecodeStats()
         self.policy = policy or SpeculationPolicy()
         # Each step's draft count, once warm-up has measured the step costs
@@ -217,16 +226,7 @@ class SpecDecoder:
     def release(self, req_ids: set[str]) -> None:
         """Free the draft-distribution slots of requests that left the batch."""
         self.unsynced.difference_update(req_ids)
-        for req_id in req_ids:
-            slot = self._slot_of.pop(req_id, None)
-            if slot is not None:
-                self._free_slots.append(slot)
-
-    def _slot(self, req_id: str) -> int:
-        slot = self._slot_of.get(req_id)
-        if slot is None:
-            slot = self._slot_of[req_id] = self._free_slots.pop()
-        return slot
+        self.slots.release(req_ids)
 
     def run(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
             inputs: StepInputs, tensors: SamplingTensors, variant: SamplerVariant,
@@ -247,12 +247,19 @@ class SpecDecoder:
         """The target forward over [last token + drafts] and their verification,
         which picks from the rows of the first `requests` (default: the step's
         requests; calibration's timing steps have none of their own)."""
+        feed = inputs.draft_feed
+        if feed is None:  # warm-up and calibration: every id on the host
+            feed = np.full(len(inputs.batch.input_ids), -1, np.int32)
         logits, hidden, features, kv_cache = model_step_features(
-            model_state, kv_cache, inputs.batch, self.feature_layers)
+            model_state, kv_cache, inputs.batch, self.slots.buffer, feed, self.feature_layers)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
+        draft_slots = np.full(inputs.num_reqs_bucket, -1, np.int32)
+        if inputs.draft_slots is not None:
+            draft_slots[:len(inputs.draft_slots)] = inputs.draft_slots
         real = len(inputs.req_ids) if requests is None else requests
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
-                              variant, self.draft_vocab, np.int32(real * (1 + self.num_spec)))
+                              self.slots.buffer, draft_slots, variant, self.draft_vocab,
+                              np.int32(real * (1 + self.num_spec)))
         draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
 
@@ -281,17 +288,19 @@ class SpecDecoder:
             verified.token_ids, verified.num_out, verified.draft_noise,
             num_drafts=count if drafting else 1,
             max_drafts=self.num_spec, window=self.window)
+        slots = self.slots.keep(inputs.req_ids, eligible, new_drafts) if drafting else None
         if probs is not None and drafting:
             self.store_probs(ib, inputs, eligible, probs)
-        return SpecStep(verified, new_drafts, eligible, count=count if drafting else 1)
+        return SpecStep(verified, new_drafts, eligible, count=count if drafting else 1,
+                        slots=slots, generation=self.slots.generation)
 
     def store_probs(self, ib: InputBatch, inputs: StepInputs, eligible: np.ndarray,
                     probs: jax.Array) -> None:  # probs: [R, k, V]
         """Keep the draft distributions of sampled requests until verification."""
-        slots = np.full(inputs.num_reqs_bucket, self._sink, np.int32)
+        slots = np.full(inputs.num_reqs_bucket, self.slots.sink, np.int32)
         sampled = eligible & (ib.sampling.temperature[inputs.rows] > 0)
         for i in np.flatnonzero(sampled).tolist():
-            slots[i] = self._slot(inputs.req_ids[i])
+            slots[i] = self.slots.slot(inputs.req_ids[i])
         self.prob_buffer = store_draft_probs(self.prob_buffer, slots, probs)
 
     def scheduled_drafts(self, ib: InputBatch, inputs: StepInputs
@@ -300,13 +309,16 @@ class SpecDecoder:
         r_bucket, k = inputs.num_reqs_bucket, self.num_spec
         drafts = np.zeros((r_bucket, k), np.int32)
         num_drafts = np.zeros(r_bucket, np.int32)
-        prob_slots = np.full(r_bucket, self._sink, np.int32)
+        prob_slots = np.full(r_bucket, self.slots.sink, np.int32)
+        on_device = inputs.draft_slots
         for i in np.flatnonzero(inputs.num_drafts).tolist():
             nd = int(inputs.num_drafts[i])
+            num_drafts[i] = nd
+            prob_slots[i] = self.slots.slot_or_sink(inputs.req_ids[i])
+            if on_device is not None and on_device[i] >= 0:
+                continue  # verification reads them from the draft buffer
             row, start = int(inputs.rows[i]), int(inputs.seq_lens[i]) - nd
             drafts[i, :nd] = ib.token_ids[row, start:start + nd]
-            num_drafts[i] = nd
-            prob_slots[i] = self._slot_of.get(inputs.req_ids[i], self._sink)
         return drafts, num_drafts, prob_slots
 
     def _draft_batch(self, ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors
@@ -346,13 +358,17 @@ class SpecDecoder:
         return draft_batch, eligible
 
     def finish(self, ib: InputBatch, inputs: StepInputs, step: SpecStep
-               ) -> tuple[list[list[int]], list[list[int]]]:
-        """Record the emitted tokens; (emitted ids, next drafts) per scheduled request."""
+               ) -> tuple[list[list[int]], list[Sequence[int]]]:
+        """Record the emitted tokens; (emitted ids, next drafts) per scheduled request.
+        The drafts are DeviceDrafts: this waits for the verification, not for the
+        proposer."""
         tokens = to_host(step.verified.token_ids)
         num_out = to_host(step.verified.num_out)
-        drafts = None if step.drafts is None else to_host(step.drafts)
+        # The drafts stay on the device (the proposer may still be running):
+        # the next step reads them there, anyone else through _ReadOnce.
+        drafts = None if step.drafts is None else ReadOnce(step.drafts)
         emitted: list[list[int]] = []
-        proposals: list[list[int]] = []
+        proposals: list[Sequence[int]] = []
         verifications = drafted = accepted = 0
         outcomes: list[tuple[int, int]] = []
         for i, req_id in enumerate(inputs.req_ids):
@@ -370,15 +386,23 @@ class SpecDecoder:
             if nd:
                 verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
                 outcomes.append((nd, n - 1))
-            proposals.append(self.allowed_drafts(ib, inputs, i, n, drafts[i, :step.count])
+            proposals.append(self._proposed(ib, inputs, i, n, step, drafts)
                              if step.propose[i] and drafts is not None else [])
         self.stats.record(verifications, drafted, accepted)
         if self.lengths is not None and outcomes:
             self.lengths.acceptance.record(outcomes)
         return emitted, proposals
 
+    def _proposed(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
+                  step: SpecStep, drafts: ReadOnce) -> Sequence[int]:
+        """Request i's proposals, as far as allowed_drafts lets them go, where they wait."""
+        count = len(self.allowed_drafts(ib, inputs, i, num_emitted, range(step.count)))
+        if not count or step.slots is None:
+            return []
+        return self.slots.on_device(int(step.slots[i]), step.generation, count, drafts, i)
+
     def allowed_drafts(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
-                       drafts: np.ndarray) -> list[int]:
+                       drafts: Sequence[int]) -> list[int]:
         """Request i's drafts that could still be emitted after the step's
         num_emitted tokens: none past max_tokens or max_model_len."""
         row = ib.row_of[inputs.req_ids[i]]
@@ -388,23 +412,4 @@ class SpecDecoder:
         if max_tokens is not None:
             limit = min(limit, max_tokens - (num_tokens - int(ib.num_prompt[row])) - 1)
         limit = min(limit, ib.max_model_len - num_tokens - 1)
-        return drafts[:max(limit, 0)].tolist()
-
-    @staticmethod
-    def logprobs(inputs: StepInputs, verified: SpecSamplerOutput, num_logprobs: np.ndarray
-                 ) -> list[list[TokenLogprobs] | None] | None:
-        """Per request, one TokenLogprobs per emitted token (None where not asked)."""
-        if verified.logprobs is None or verified.logprob_token_ids is None or (
-                verified.ranks is None):
-            return None
-        ids, lps = to_host(verified.logprob_token_ids), to_host(verified.logprobs)
-        ranks, num_out = to_host(verified.ranks), to_host(verified.num_out)
-        out: list[list[TokenLogprobs] | None] = []
-        for i in range(len(inputs.req_ids)):
-            n = int(num_logprobs[inputs.rows[i]])
-            if n < 0 or not inputs.samples[i]:
-                out.append(None)
-                continue
-            out.append([TokenLogprobs.from_row(ids[i, j], lps[i, j], ranks[i, j], n)
-                        for j in range(int(num_out[i]))])
-        return out
+        return list(drafts[:max(limit, 0)])

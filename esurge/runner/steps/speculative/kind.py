@@ -3,13 +3,15 @@
 With Eagle on, a step is one of these where the runner's speculation policy
 says drafting pays, or drafts wait for verification; the others are plain
 steps. A speculative step does not pipeline: the engine collects it before
-scheduling the next (how many drafts it accepts moves every later position,
-and its proposals are the next step's drafts; that next step is dispatched
-before the outputs go back to the loop), while the plain steps of the same
-engine overlap as in any other. One dispatched behind a plain step
-still in flight first reads that step's tokens to the host. A constrained request's drafts
-are drawn under its grammar's masks (`masked.py`) and verified under the
-masks its grammar gives after each draft.
+scheduling the next (how many drafts it accepts moves every later position),
+but collecting waits for its verification only, not for its proposals: the
+next step is scheduled and dispatched while the device still drafts, reads
+those drafts on the device, and is queued before the outputs go back to
+the loop. The plain steps of the same engine overlap as in any other. One
+dispatched behind a plain step still in flight first reads that step's
+tokens to the host. A constrained request's drafts are drawn under its
+grammar's masks (`masked.py`, on the host) and verified under the masks its
+grammar gives after each draft.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from esurge.runner.steps.padding import padding_inputs, with_tiles
 from esurge.runner.steps.plain import sampling_tensors
 from esurge.runner.steps.speculative.decoder import SpecDecoder, SpecStep
 from esurge.runner.steps.speculative.masked import masked_proposals, warm_masked_step
-from esurge.runner.steps.speculative.verify import verify_jit
+from esurge.runner.steps.speculative.verify import emitted_logprobs, verify_jit
 
 if TYPE_CHECKING:
     from esurge.runner.runner import eSurgeRunner
@@ -89,13 +91,13 @@ class SpeculativeStep:
         for i, req_id in enumerate(inputs.req_ids):
             if proposals[i] and req_id in grammars:
                 # A draft the grammar refuses would be rejected: not worth verifying.
-                proposals[i] = grammars.valid_drafts(req_id, proposals[i])
+                proposals[i] = grammars.valid_drafts(req_id, list(proposals[i]))
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
             sampled_token_ids=emitted,
             spec_token_ids=proposals,
-            logprobs=self.spec.logprobs(inputs, step.verified, ib.sampling.num_logprobs),
+            logprobs=emitted_logprobs(inputs, step.verified, ib.sampling.num_logprobs),
             prompt_logprobs=pending.prompt_logprobs,
         )
 
@@ -149,6 +151,7 @@ class SpeculativeStep:
             allowed=runner.grammars.all_allowed(requests * (k + 1)))
         out = verify_jit(plan.logits_of[requests], tensors, np.zeros((requests, k), np.int32),
                          np.zeros(requests, np.int32), self.spec.prob_buffer,
-                         np.zeros(requests, np.int32), variant, self.spec.draft_vocab,
+                         np.zeros(requests, np.int32), self.spec.slots.buffer,
+                         np.full(requests, -1, np.int32), variant, self.spec.draft_vocab,
                          np.int32(requests * (k + 1)))
         return out.token_ids

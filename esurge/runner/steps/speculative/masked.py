@@ -12,6 +12,7 @@ all-allowed masks, so they get the drafts the fused proposer would give.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -53,7 +54,7 @@ class _Drawer:
 
 def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
                      inputs: StepInputs, step: SpecStep, emitted: list[list[int]],
-                     grammars: GrammarBatch) -> list[list[int]]:
+                     grammars: GrammarBatch) -> list[Sequence[int]]:
     """Each scheduled request's next drafts, drawn under its grammar's masks.
 
     Call after the step's emitted tokens were fed to the matchers. A request
@@ -87,7 +88,7 @@ def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
     if probs:
         missing = [jnp.zeros_like(probs[0])] * (spec.num_spec - len(probs))
         spec.store_probs(ib, inputs, step.propose, jnp.stack(probs + missing, axis=1))
-    return [spec.allowed_drafts(ib, inputs, i, len(emitted[i]), np.asarray(p, np.int32))
+    return [spec.allowed_drafts(ib, inputs, i, len(emitted[i]), p)
             if p else [] for i, p in enumerate(proposals)]
 
 

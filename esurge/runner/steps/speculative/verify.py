@@ -26,6 +26,8 @@ from flax import struct
 
 from esurge.models.local_shards import host_visible
 from esurge.models.reductions import first_argmax
+from esurge.outputs import TokenLogprobs
+from esurge.runner.host_read import to_host
 from esurge.runner.real_rows import argmax_rows
 from esurge.runner.sampler import (
     SamplerVariant,
@@ -36,9 +38,11 @@ from esurge.runner.sampler import (
     token_logprobs,
     uniform_noise,
 )
+from esurge.runner.step_inputs import StepInputs
 from esurge.spec_decode.rejection import accept_greedy, rejection_sample
 
-__all__ = ["SpecSamplerOutput", "store_draft_probs", "verify", "verify_jit"]
+__all__ = ["SpecSamplerOutput", "emitted_logprobs", "store_draft_probs", "store_drafts",
+           "verify", "verify_jit"]
 
 _ACCEPT_SALT = 0xA5C3E1F7
 _RECOVER_SALT = 0x5B2D94C1
@@ -103,13 +107,19 @@ def verify(
     num_drafts: jax.Array,  # [R] int32
     draft_probs: jax.Array,  # [M, k, V] float32: stored draft distributions
     prob_slots: jax.Array,  # [R] int32: each request's slot in draft_probs
+    draft_buffer: jax.Array,  # [M, k] int32: drafts the head proposed, by slot
+    draft_slots: jax.Array,  # [R] int32: a request's drafts' slot there, -1: in drafts
     variant: SamplerVariant,
     draft_vocab: int,
     num_rows: jax.Array,  # [] int32: logits rows of real requests (the first ones)
 ) -> SpecSamplerOutput:
     """Verify every request's drafts; see the module docstring. The greedy pick
     skips the padding requests' rows where the backend loops over rows
-    (esurge.runner.real_rows): a lone request in a bucket of 4 has 15 of 20."""
+    (esurge.runner.real_rows): a lone request in a bucket of 4 has 15 of 20.
+    A request's drafts come from draft_buffer where draft_slots names a slot
+    (the previous step's proposals, never read to the host)."""
+    drafts = jnp.where((draft_slots >= 0)[:, None],
+                       draft_buffer[jnp.maximum(draft_slots, 0)], drafts)
     r, k = drafts.shape
     s = k + 1
     rows = _per_row(tensors, s)
@@ -138,6 +148,16 @@ verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab"))
 
 
 @partial(jax.jit, donate_argnums=(0,))
+def store_drafts(
+    buffer: jax.Array,  # [M, k] int32
+    slots: jax.Array,  # [R] int32
+    drafts: jax.Array,  # [R, d] int32: d <= k drafts per request
+) -> jax.Array:
+    """Keep each request's drafts on the device for the step that verifies them."""
+    return buffer.at[slots, :drafts.shape[1]].set(drafts)
+
+
+@partial(jax.jit, donate_argnums=(0,))
 def store_draft_probs(
     buffer: jax.Array,  # [M, k, V]
     slots: jax.Array,  # [R] int32
@@ -145,3 +165,23 @@ def store_draft_probs(
 ) -> jax.Array:
     """Keep each request's draft distributions until its drafts are verified."""
     return buffer.at[slots, :probs.shape[1]].set(probs)
+
+
+def emitted_logprobs(inputs: StepInputs, verified: SpecSamplerOutput,
+                     num_logprobs: np.ndarray  # [max_rows] by batch row
+                     ) -> list[list[TokenLogprobs] | None] | None:
+    """Per request, one TokenLogprobs per emitted token (None where not asked)."""
+    if verified.logprobs is None or verified.logprob_token_ids is None or (
+            verified.ranks is None):
+        return None
+    ids, lps = to_host(verified.logprob_token_ids), to_host(verified.logprobs)
+    ranks, num_out = to_host(verified.ranks), to_host(verified.num_out)
+    out: list[list[TokenLogprobs] | None] = []
+    for i in range(len(inputs.req_ids)):
+        n = int(num_logprobs[inputs.rows[i]])
+        if n < 0 or not inputs.samples[i]:
+            out.append(None)
+            continue
+        out.append([TokenLogprobs.from_row(ids[i, j], lps[i, j], ranks[i, j], n)
+                    for j in range(int(num_out[i]))])
+    return out
