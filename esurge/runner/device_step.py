@@ -114,9 +114,9 @@ def model_step_features(
     model_state: ModelState,
     kv_cache: KVCache,
     batch: ForwardBatch,
-    draft_buffer: jax.Array,  # [M, k] int32: the head's last proposals, by slot
-    draft_feed: jax.Array,  # [T] int32: flat index into draft_buffer, -1: batch.input_ids
     feature_layers: tuple[int, ...],
+    draft_buffer: jax.Array | None = None,  # [M, k] int32: the head's proposals, by slot
+    draft_feed: jax.Array | None = None,  # [T] int32: index into it flattened, -1: input_ids
 ) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
     """(logits [L, V], final hidden [T, H], draft features [T, F], updated cache).
 
@@ -127,9 +127,10 @@ def model_step_features(
     a draft_feed index take their id from the draft buffer: drafts the
     previous step proposed are fed from the device, not the host.
     """
-    ids = jnp.where(draft_feed >= 0, draft_buffer.reshape(-1)[jnp.maximum(draft_feed, 0)],
-                    batch.input_ids)
-    batch = dataclasses.replace(batch, input_ids=ids)
+    if draft_buffer is not None and draft_feed is not None:
+        ids = jnp.where(draft_feed >= 0, draft_buffer.reshape(-1)[jnp.maximum(draft_feed, 0)],
+                        batch.input_ids)
+        batch = dataclasses.replace(batch, input_ids=ids)
     if not feature_layers:
         logits, hidden, kv_cache = forward(model_state, kv_cache, batch)
         return logits, hidden, hidden, kv_cache

@@ -34,6 +34,7 @@ from jax import lax
 
 from esurge.models.forward import ShellState
 from esurge.models.kv_cache import NULL_PAGE, placed_zeros
+from esurge.models.local_shards import host_visible
 from esurge.models.paged_attention import AttentionMetadata, write_and_attend
 from esurge.models.reductions import first_argmax
 from esurge.models.rope import rope_cos_sin
@@ -209,7 +210,8 @@ def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: She
                          None if noise is None else noise[0], head_state.d2t,
                          head.config.vocab_size)
     pos = jnp.where(jnp.asarray(batch.propose), pos, 0)
-    return FirstDraft(token, probs, hidden, pos), cache
+    # Replicated: any host may read a proposal alone (DeviceDrafts), no collective.
+    return FirstDraft(host_visible(token), probs, hidden, pos), cache
 
 
 @partial(jax.jit, static_argnames=("max_steps", "window"), donate_argnums=(1,))
@@ -257,7 +259,7 @@ def _propose_rest(head_state: EagleState, cache: DraftKVCache, target_state: She
     if first.probs is not None and final[6] is not None:
         all_probs = jnp.concatenate([first.probs[:, None], jnp.swapaxes(final[6], 0, 1)],
                                     axis=1)
-    return drafts, all_probs, DraftKVCache(final[0], final[1])
+    return host_visible(drafts), all_probs, DraftKVCache(final[0], final[1])
 
 
 def _grammar_masked(logits: jax.Array, allowed: jax.Array, d2t: jax.Array) -> jax.Array:

@@ -251,7 +251,7 @@ class SpecDecoder:
         if feed is None:  # warm-up and calibration: every id on the host
             feed = np.full(len(inputs.batch.input_ids), -1, np.int32)
         logits, hidden, features, kv_cache = model_step_features(
-            model_state, kv_cache, inputs.batch, self.slots.buffer, feed, self.feature_layers)
+            model_state, kv_cache, inputs.batch, self.feature_layers, self.slots.buffer, feed)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         draft_slots = np.full(inputs.num_reqs_bucket, -1, np.int32)
         if inputs.draft_slots is not None:
