@@ -15,7 +15,7 @@ import pytest
 from esurge import SamplingParams, eSurge
 from esurge.engine_types import FinishReason
 from esurge.runner.device_step import model_step_features, prompt_logprobs_step
-from esurge.runner.steps.speculative.verify import store_draft_probs, verify_jit
+from esurge.runner.steps.speculative.verify import store_draft_probs, store_drafts, verify_jit
 from esurge.spec_decode import proposer
 from tests.spec_decode.conftest import BIGRAM_K
 from tests.spec_decode.helpers import MAX_MODEL_LEN, bigram_next_probs, bigram_pair, spec_config
@@ -197,7 +197,7 @@ def test_aborts_and_arrivals_while_a_verification_is_in_flight(bigram_engine: eS
 
 def test_no_compile_after_warmup(bigram_engine: eSurge) -> None:
     jitted: tuple[Any, ...] = (model_step_features, verify_jit, store_draft_probs,
-                               prompt_logprobs_step, proposer.propose_first,
+                               store_drafts, prompt_logprobs_step, proposer.propose_first,
                                proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
     bigram_engine.generate(prompts(16, seed=4), [
