@@ -23,6 +23,7 @@ the request's pages and needs no bookkeeping of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,6 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from esurge.core.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+)
 from esurge.models.forward import ShellState
 from esurge.models.kv_cache import NULL_PAGE, placed_zeros
 from esurge.models.local_shards import host_visible
@@ -42,8 +48,8 @@ from esurge.spec_decode.config import EagleConfig
 from esurge.spec_decode.head import EagleHead, EagleState
 from esurge.structured_output.device_mask import allowed_bits
 
-__all__ = ["AttentionWindow", "DraftBatch", "DraftKVCache", "FirstDraft", "init_draft_cache",
-           "masked_draft_step", "propose", "propose_first"]
+__all__ = ["AttentionWindow", "DraftBatch", "DraftKVCache", "FirstDraft", "draft_group",
+           "init_draft_cache", "masked_draft_step", "propose", "propose_first"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,19 @@ class AttentionWindow:
 
     sliding_window: int | None = None
     chunk_size: int | None = None
+
+
+def draft_group(groups: Sequence[Any]) -> tuple[int, AttentionWindow]:
+    """The cache group whose page tables the draft reads: a full-attention one if any."""
+    for i, group in enumerate(groups):
+        if isinstance(group.spec, FullAttentionSpec):
+            return i, AttentionWindow()
+    spec = groups[0].spec
+    if isinstance(spec, SlidingWindowSpec):
+        return 0, AttentionWindow(sliding_window=spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return 0, AttentionWindow(chunk_size=spec.attention_chunk_size)
+    return 0, AttentionWindow()
 
 
 @jax.tree_util.register_dataclass

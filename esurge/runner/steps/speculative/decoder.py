@@ -37,11 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from esurge.config import SpeculativeConfig
-from esurge.core.kv_cache_spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    SlidingWindowSpec,
-)
 from esurge.models.forward import ModelState
 from esurge.models.kv_cache import KVCache
 from esurge.models.loader import LoadedModel
@@ -65,10 +60,10 @@ from esurge.spec_decode.draft_length import (
 )
 from esurge.spec_decode.policy import SpeculationPolicy, step_cost
 from esurge.spec_decode.proposer import (
-    AttentionWindow,
     DraftBatch,
     DraftKVCache,
     FirstDraft,
+    draft_group,
     init_draft_cache,
     propose,
     propose_first,
@@ -113,19 +108,6 @@ class TargetPass:
     eligible: np.ndarray  # [num_reqs] bool: requests that may draft
 
 
-def _draft_group(groups: tuple[Any, ...]) -> tuple[int, AttentionWindow]:
-    """The cache group whose page tables the draft reads: a full-attention one if any."""
-    for i, group in enumerate(groups):
-        if isinstance(group.spec, FullAttentionSpec):
-            return i, AttentionWindow()
-    spec = groups[0].spec
-    if isinstance(spec, SlidingWindowSpec):
-        return 0, AttentionWindow(sliding_window=spec.sliding_window)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return 0, AttentionWindow(chunk_size=spec.attention_chunk_size)
-    return 0, AttentionWindow()
-
-
 class SpecDecoder:
     """The Eagle head, its paged cache and the per-step verify/propose calls."""
 
@@ -147,7 +129,7 @@ class SpecDecoder:
         self.feature_layers = (tuple(i - 1 for i in config.aux_layer_ids)
                                if config.layout is EagleLayout.EAGLE3 else ())
         self.draft_vocab = config.draft_vocab_size
-        self.group, self.window = _draft_group(groups)
+        self.group, self.window = draft_group(groups)
         sharding = (None if model.mesh is None
                     else kv_cache_sharding(model.mesh, config.num_kv_heads))
         self.cache: DraftKVCache = init_draft_cache(config, num_pages, page_size,
@@ -224,7 +206,7 @@ class SpecDecoder:
             self.lengths.observe(len(inputs.req_ids), int(drafts[0]), seconds)
 
     def release(self, req_ids: set[str]) -> None:
-        """Free the draft-distribution slots of requests that left the batch."""
+        """Free the slots (drafts and their distributions) of requests that left the batch."""
         self.unsynced.difference_update(req_ids)
         self.slots.release(req_ids)
 
@@ -395,21 +377,22 @@ class SpecDecoder:
 
     def _proposed(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
                   step: SpecStep, drafts: ReadOnce) -> Sequence[int]:
-        """Request i's proposals, as far as allowed_drafts lets them go, where they wait."""
-        count = len(self.allowed_drafts(ib, inputs, i, num_emitted, range(step.count)))
+        """Request i's proposals (as many as allowed_count lets through), left
+        where they wait on the device."""
+        count = self.allowed_count(ib, inputs, i, num_emitted, step.count)
         if not count or step.slots is None:
             return []
         return self.slots.on_device(int(step.slots[i]), step.generation, count, drafts, i)
 
-    def allowed_drafts(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
-                       drafts: Sequence[int]) -> list[int]:
-        """Request i's drafts that could still be emitted after the step's
-        num_emitted tokens: none past max_tokens or max_model_len."""
+    def allowed_count(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
+                      count: int) -> int:
+        """How many of request i's `count` drafts could still be emitted after the
+        step's num_emitted tokens: none past max_tokens or max_model_len."""
         row = ib.row_of[inputs.req_ids[i]]
         num_tokens = int(inputs.seq_lens[i]) - int(inputs.num_drafts[i]) + num_emitted
-        limit = self.num_spec
+        limit = min(count, self.num_spec)
         max_tokens = ib.params[row].max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - (num_tokens - int(ib.num_prompt[row])) - 1)
         limit = min(limit, ib.max_model_len - num_tokens - 1)
-        return list(drafts[:max(limit, 0)])
+        return max(limit, 0)

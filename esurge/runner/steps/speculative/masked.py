@@ -88,8 +88,8 @@ def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
     if probs:
         missing = [jnp.zeros_like(probs[0])] * (spec.num_spec - len(probs))
         spec.store_probs(ib, inputs, step.propose, jnp.stack(probs + missing, axis=1))
-    return [spec.allowed_drafts(ib, inputs, i, len(emitted[i]), p)
-            if p else [] for i, p in enumerate(proposals)]
+    return [p[:spec.allowed_count(ib, inputs, i, len(emitted[i]), len(p))] if p else []
+            for i, p in enumerate(proposals)]
 
 
 def warm_masked_step(spec: SpecDecoder, model_state: ModelState, step: SpecStep,
