@@ -46,7 +46,7 @@ class DeviceDrafts(Sequence[int]):
         if isinstance(index, slice):
             start, stop, step = index.indices(self._count)
             if start == 0 and step == 1:  # a prefix stays on the device
-                return DeviceDrafts(self._read, max(stop, 0), self.handle)
+                return DeviceDrafts(self._read, stop, self.handle)
             return self.values()[index]
         return self.values()[index]
 

@@ -39,7 +39,7 @@ def test_the_latest_proposal_is_read_on_the_device_and_an_older_one_on_the_host(
     assert other.device_slot(b) is None and other.device_slot([4, 5, 6]) is None
 
 
-def test_device_drafts_read_their_values_once_and_travel_as_lists() -> None:
+def test_device_drafts_read_their_values_only_when_asked_and_travel_as_lists() -> None:
     reads = []
 
     def read() -> np.ndarray:
@@ -49,6 +49,7 @@ def test_device_drafts_read_their_values_once_and_travel_as_lists() -> None:
     drafts = DeviceDrafts(read, 3, handle=None)
     assert len(drafts) == 3 and bool(drafts) and reads == []
     assert len(drafts[:2]) == 2 and reads == []
+    assert len(drafts[:7]) == 3 and len(drafts[:0]) == 0 and reads == []
     assert list(drafts) == [4, 5, 6] and drafts[1:] == [5, 6] and drafts[-1] == 6
     assert drafts == [4, 5, 6] and drafts[:2] == (4, 5)
     assert pickle.loads(pickle.dumps(drafts)) == [4, 5, 6]
