@@ -17,8 +17,10 @@ MODEL_SHAPES: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 
-def make_checkpoint(out: Path, shape: str, vocab: int = 4096, max_len: int = 2048) -> Path:
-    """A random-initialised Llama checkpoint plus a 4096-token tokenizer trained here."""
+def make_checkpoint(out: Path, shape: str, vocab: int = 4096, max_len: int = 2048,
+                    dtype: str = "float32") -> Path:
+    """A random-initialised Llama checkpoint (its weights stored in dtype) plus a
+    4096-token tokenizer trained here."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -32,7 +34,8 @@ def make_checkpoint(out: Path, shape: str, vocab: int = 4096, max_len: int = 204
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=max_len,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    LlamaForCausalLM(config).eval().save_pretrained(out, safe_serialization=True)
+    model = LlamaForCausalLM(config).eval().to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
     train_bpe_tokenizer(stdlib_texts(max_files=100), vocab_size=vocab, out_dir=out)
     return out
 

@@ -72,6 +72,11 @@ class CheckpointSource(Protocol):
         it in such a block format (esurge.models.weight_codes); else None."""
         ...
 
+    def stores_bfloat16(self, name: str) -> bool:
+        """True when the checkpoint stores the parameter `name` in bfloat16 (its
+        values then widen exactly from two bytes each); read from headers only."""
+        ...
+
     def tokenizer(self) -> Any | None:
         """The checkpoint's transformers tokenizer (chat template included), if it has one."""
         ...
@@ -195,6 +200,9 @@ class HFDirectorySource:
     def read_codes(self, name: str) -> WeightCodes | None:
         return None  # safetensors hold plain floats
 
+    def stores_bfloat16(self, name: str) -> bool:
+        return str(self._handle(name).get_slice(name).get_dtype()).upper() == "BF16"
+
     def tokenizer(self) -> Any | None:
         return hf_tokenizer_of(self.path)
 
@@ -287,6 +295,11 @@ class GGUFSource:
             return self._codes(name)  # type: ignore[no-any-return]
         except KeyError:
             raise MissingTensorError(self.path, name) from None
+
+    def stores_bfloat16(self, name: str) -> bool:
+        # A GGUF's float tensors go through its own reader (its names differ
+        # from HF's): they serve as float32 panels, not widened ones.
+        return False
 
     def tokenizer(self) -> Any | None:
         tokenizer = self.gguf.tokenizer()

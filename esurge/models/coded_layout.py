@@ -7,7 +7,10 @@ device, the loader keeps those projections as codes in column panels
 one per model, so a role (CODED_ROLES: each layer's fused q/k/v, o, gate/up,
 down, and the LM head) is coded only when every layer has codes for it with
 one code width; any other role keeps float32 panels. A checkpoint of plain
-floats (safetensors) has no codes and loads as before.
+floats (safetensors) has no codes; where it stores a role's every tensor in
+bfloat16 and the model serves float32, that role keeps the bfloat16 values
+(WIDENED_BITS; esurge.models.fusion packs them, cpu_kernels/widened_matmul.cc
+widens them in registers): half the bytes of float32 panels, the same products.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from esurge.models.checkpoint import CheckpointSource
+from esurge.models.checkpoint import CheckpointSource, MissingTensorError
 from esurge.models.coded_linear import pack_codes, pack_gate_up_codes
-from esurge.models.decoder_config import DecoderConfig
+from esurge.models.decoder_config import WIDENED_BITS, DecoderConfig
 from esurge.models.weight_codes import WeightCodes, concat_rows
 
-__all__ = ["CodedPanels", "read_coded_panels"]
+__all__ = ["CodedPanels", "read_coded_panels", "widened_roles"]
 
 Panels = dict[str, np.ndarray]  # codes, scale, offset
 
@@ -46,6 +49,12 @@ class CodedPanels:
     def coded_weights(self) -> tuple[tuple[str, int], ...]:
         """The DecoderConfig.coded_weights these panels serve."""
         return tuple(sorted(self.bits.items()))
+
+    def widened(self, roles: tuple[str, ...]) -> CodedPanels:
+        """The same codes with `roles` (none of them coded) served from their
+        bfloat16 values; their panels are packed with the other float weights."""
+        return CodedPanels({**self.bits, **dict.fromkeys(roles, WIDENED_BITS)}, self.layers,
+                           self.lm_head)
 
 
 def _fused_codes(source: CheckpointSource, layer: int, module: str,
@@ -88,3 +97,29 @@ def read_coded_panels(source: CheckpointSource, config: DecoderConfig) -> CodedP
         return CodedPanels(bits, layers)
     bits["lm_head"] = head.bits
     return CodedPanels(bits, layers, pack_codes(head))
+
+
+def _all_bfloat16(source: CheckpointSource, names: list[str]) -> bool:
+    try:
+        return all(source.stores_bfloat16(name) for name in names)
+    except MissingTensorError:
+        return False
+
+
+def widened_roles(source: CheckpointSource, config: DecoderConfig,
+                  taken: dict[str, int]) -> tuple[str, ...]:
+    """The roles (CODED_ROLES) not in `taken` whose every tensor the checkpoint
+    stores in bfloat16 (read from its headers; config: the checkpoint's)."""
+    roles = []
+    for role, (module, parts) in _LAYER_ROLES.items():
+        if role in taken or (role == "gate_up_proj" and not config.gated_silu):
+            continue  # the widened gate/up kernel applies SiLU itself, as the coded one
+        names = [f"model.layers.{layer}.{module}.{part}.weight"
+                 for layer in range(config.num_layers) for part in parts]
+        if _all_bfloat16(source, names):
+            roles.append(role)
+    head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    if ("lm_head" not in taken and _all_bfloat16(source, [head])
+            and source.tensor_shape(head)[0] == config.padded_vocab_size):
+        roles.append("lm_head")
+    return tuple(roles)

@@ -7,7 +7,10 @@ packed_linear's float32 panels (tests hold the two to bit-identical
 products), and the C++ kernel expands each panel to float32 in cache before multiplying
 (cpu_kernels/coded_matmul.cc). A decode step then streams about a sixth of
 the float32 weight's bytes (4-bit codes) and gets exactly the float32 panel
-kernel's result on the dequantized weight.
+kernel's result on the dequantized weight. A bfloat16 checkpoint served in
+float32 keeps its own values the same way (bits WIDENED_BITS: bfloat16 panels,
+cpu_kernels/widened_matmul.cc): half the bytes of float32 panels, the same
+products bit for bit.
 
 Where the model also keeps the input-major float32 weight (dual layout, CPUs
 without AVX-512), the kernel serves the buckets the float32 panel kernel
@@ -29,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from esurge.models.cpu_kernels import PANEL, coded_matmul_kernel
+from esurge.models.cpu_kernels import PANEL, coded_matmul_kernel, widened_matmul_kernel
+from esurge.models.decoder_config import WIDENED_BITS
 from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
 from esurge.models.weight_codes import CODE_BLOCK, WeightCodes
 
@@ -108,6 +112,25 @@ class _CodedPanels(nnx.Module):
                                    out_features, self.bits, num_rows, silu_mul=silu_mul)
 
 
+class _WidenedPanels(nnx.Module):
+    """One packed weight as a bfloat16 checkpoint's own values (WIDENED_BITS),
+    multiplied in float32 (cpu_kernels/widened_matmul.cc)."""
+
+    def __init__(self, in_features: int, panels: int):
+        self.panels = nnx.Param(jnp.zeros((panels, in_features, PANEL), jnp.bfloat16))
+
+    def matmul(self, x: jax.Array, out_features: int, num_rows: jax.Array | None,
+               silu_mul: bool) -> jax.Array:  # [T, in] -> [T, out_features]
+        return widened_matmul_kernel(x, self.panels[...], out_features, num_rows,
+                                     silu_mul=silu_mul)
+
+
+def _weight_panels(in_features: int, panels: int, bits: int) -> _CodedPanels | _WidenedPanels:
+    if bits == WIDENED_BITS:
+        return _WidenedPanels(in_features, panels)
+    return _CodedPanels(in_features, panels, bits)
+
+
 def coded_or_plain(x: jax.Array,  # [T, in]
                    kernel: Callable[[], jax.Array], plain: Callable[[], jax.Array] | None
                    ) -> jax.Array:
@@ -123,7 +146,7 @@ class CodedLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, bits: int, bias: bool,
                  dtype: jnp.dtype, dual: bool = False):
-        self.weight = _CodedPanels(in_features, -(-out_features // PANEL), bits)
+        self.weight = _weight_panels(in_features, -(-out_features // PANEL), bits)
         self.plain = (nnx.Param(jnp.zeros((in_features, out_features), dtype)) if dual
                       else None)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
@@ -143,7 +166,7 @@ class CodedGateUp(nnx.Module):
 
     def __init__(self, in_features: int, intermediate: int, *, bits: int, dtype: jnp.dtype,
                  dual: bool = False):
-        self.weight = _CodedPanels(in_features, -(-intermediate // _HALF), bits)
+        self.weight = _weight_panels(in_features, -(-intermediate // _HALF), bits)
         self.plain = (nnx.Param(jnp.zeros((in_features, 2 * intermediate), dtype)) if dual
                       else None)
         self.intermediate = intermediate

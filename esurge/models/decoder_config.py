@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 __all__ = [
-    "CODED_ROLES", "Activation", "AttentionKind", "DecoderConfig", "LayerAttention", "RopeConfig",
+    "CODED_ROLES",
+    "WIDENED_BITS",
+    "Activation",
+    "AttentionKind",
+    "DecoderConfig",
+    "LayerAttention",
+    "RopeConfig",
     "RopeType",
 ]
 
@@ -106,6 +112,8 @@ class LayerAttention:
 
 # The projections a layout may keep as codes: each layer's fused ones and the LM head.
 CODED_ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+# The "code width" of panels that keep a bfloat16 checkpoint's own values.
+WIDENED_BITS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +140,9 @@ class DecoderConfig:
         multiple of it. 1 is the checkpoint's own layout.
     coded_weights: on top of packing, the projections (by role, see
         CODED_ROLES) whose panels hold a GGUF's integer codes of that many
-        bits instead of float32 (esurge.models.coded_linear); one device only.
+        bits (4, 8), or the checkpoint's bfloat16 values (16, WIDENED_BITS),
+        instead of float32; both are multiplied in float32
+        (esurge.models.coded_linear); one device only.
     packed_tied_head: on top of packing, a tied LM head also gets panels of
         its own (a packed copy of the embedding). Chosen at load for bfloat16,
         whose kernel multiplies the head at AMX/AVX512_BF16 rates where XLA's
@@ -208,9 +218,9 @@ class DecoderConfig:
         if not self.packed_weights or self.tensor_parallel != 1:
             raise ValueError("coded_weights need packed_weights=True and tensor_parallel=1")
         for role, bits in self.coded_weights:
-            if role not in CODED_ROLES or bits not in (4, 8):
+            if role not in CODED_ROLES or bits not in (4, 8, WIDENED_BITS):
                 raise ValueError(f"coded_weights entry {(role, bits)!r}: the role must be one "
-                                 f"of {CODED_ROLES} and the bits 4 or 8")
+                                 f"of {CODED_ROLES} and the bits 4, 8 or {WIDENED_BITS}")
         if not self.fused_gate_activation and self.code_bits("gate_up_proj") is not None:
             raise ValueError("coded gate_up_proj needs the fused SiLU gate (no MLP bias)")
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 from esurge.models.coded_layout import CodedPanels
 from esurge.models.decoder import CausalLM
-from esurge.models.decoder_config import DecoderConfig
+from esurge.models.decoder_config import WIDENED_BITS, DecoderConfig
 from esurge.models.forward import ModelState, Params
 from esurge.models.packed_linear import pack_gate_up, pack_weight
 
@@ -112,6 +112,19 @@ def _coded(linear: dict[str, Any], panels: dict[str, Any], input_major: bool,
     return coded
 
 
+def _widened(config: DecoderConfig, role: str, linear: dict[str, Any], dual: bool
+             ) -> dict[str, Any]:
+    """A linear served from bfloat16 panels (WIDENED_BITS): its float32 panels,
+    rounded back to bfloat16, which is exact since the weight was read from
+    bfloat16 (esurge.models.coded_layout.widened_roles); dual keeps the
+    float32 weight input-major beside them."""
+    input_major = role in _INPUT_MAJOR
+    weight = linear["weight"] if input_major else linear["weight"].T
+    panels = (pack_gate_up(weight, config.intermediate_size) if role == "gate_up_proj"
+              else pack_weight(weight))
+    return _coded(linear, {"panels": panels.astype(jnp.bfloat16)}, input_major, dual)
+
+
 def _float_gate_up(config: DecoderConfig, linear: dict[str, Any]) -> dict[str, Any]:
     """The fused gate/up in float32 panels: SiLU panels where the kernel applies
     the activation, plain column panels otherwise (per shard)."""
@@ -143,7 +156,9 @@ def pack_layer(config: DecoderConfig, layer: dict[str, Any],
     }
     for role, module in (("qkv_proj", attn), ("o_proj", attn), ("gate_up_proj", mlp),
                          ("down_proj", mlp)):
-        if config.code_bits(role) is not None and coded is not None:
+        if config.code_bits(role) == WIDENED_BITS:
+            module[role] = _widened(config, role, module[role], dual)
+        elif config.code_bits(role) is not None and coded is not None:
             module[role] = _coded(module[role], coded[role], role in _INPUT_MAJOR, dual)
         else:
             module[role] = float_packs[role](module[role])
@@ -194,10 +209,12 @@ def pack_projections(config: DecoderConfig, state: ModelState, dtype: jnp.dtype,
     model["layers"] = {i: pack_layer(packed, layer, coded.layers[int(i)] if coded else None)
                        for i, layer in model["layers"].items()}
     params = {**state.params, "model": model}
-    if coded is not None and coded.lm_head is not None:
-        untied = params.get("lm_head") or {"weight": params["model"]["embed_tokens"]["weight"]}
-        params["lm_head"] = _coded(untied, coded.lm_head, input_major=False,
-                                   dual=packed.dual_layout and not packed.tie_word_embeddings)
+    untied = params.get("lm_head") or {"weight": params["model"]["embed_tokens"]["weight"]}
+    head_dual = packed.dual_layout and not packed.tie_word_embeddings  # (see CausalLM)
+    if packed.code_bits("lm_head") == WIDENED_BITS:
+        params["lm_head"] = _widened(packed, "lm_head", untied, head_dual)
+    elif coded is not None and coded.lm_head is not None:
+        params["lm_head"] = _coded(untied, coded.lm_head, input_major=False, dual=head_dual)
     elif params.get("lm_head") is not None:
         params["lm_head"] = pack_lm_head(packed, params["lm_head"])
     elif packed.packed_tied_head:

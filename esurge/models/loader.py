@@ -25,10 +25,15 @@ from jax.sharding import Mesh
 from esurge.core.kv_cache_spec import CacheGroupsConfig, cache_groups_from_hf_config
 from esurge.errors import InvalidConfigError
 from esurge.models.checkpoint import CheckpointSource, open_checkpoint
-from esurge.models.coded_layout import CodedPanels, read_coded_panels
-from esurge.models.cpu_kernels import cpu_has_amx, cpu_has_avx512, kernels_serve
+from esurge.models.coded_layout import CodedPanels, read_coded_panels, widened_roles
+from esurge.models.cpu_kernels import (
+    cpu_has_amx,
+    cpu_has_avx512,
+    kernels_serve,
+    widened_panels_enabled,
+)
 from esurge.models.decoder import CausalLM
-from esurge.models.decoder_config import DecoderConfig
+from esurge.models.decoder_config import WIDENED_BITS, DecoderConfig
 from esurge.models.families import decoder_config_from_hf
 from esurge.models.forward import ModelState, Params
 from esurge.models.fusion import coded_config, fuse_projections, pack_projections, packed_config
@@ -109,6 +114,12 @@ class _Layout:
     packed: bool
     dual: bool
 
+    @property
+    def widen(self) -> bool:
+        """Whether bfloat16 values are kept in widened panels (float32 serving)."""
+        return (self.packed and jnp.dtype(self.jdtype) == jnp.float32
+                and widened_panels_enabled())
+
     def config(self, config: DecoderConfig, coded_weights: tuple[tuple[str, int], ...]
                ) -> DecoderConfig:
         """The serving config the layout builds from a checkpoint's config."""
@@ -122,7 +133,8 @@ class _Layout:
         """What the layout of this checkpoint depends on (the layout cache's key)."""
         cpu = (("avx512", cpu_has_avx512()), ("amx", cpu_has_amx()),
                ("float32 kernels", kernels_serve(jnp.float32)),
-               ("bfloat16 kernels", kernels_serve(jnp.bfloat16)))
+               ("bfloat16 kernels", kernels_serve(jnp.bfloat16)),
+               ("widened panels", self.widen))
         return LayoutInputs(model_path, self.dtype, self.fuse, self.packed, self.dual, cpu)
 
 
@@ -131,7 +143,7 @@ def _build_state(source: CheckpointSource, config: DecoderConfig, layout: _Layou
     """Read the checkpoint, then fuse and pack as the layout asks."""
     graphdef, abstract_params = nnx.split(
         nnx.eval_shape(lambda: CausalLM(config, dtype=layout.jdtype)))
-    coded = _coded_panels(source, config) if layout.packed else None
+    coded = _coded_panels(source, config, layout.widen) if layout.packed else None
     params = _read_params(nnx.to_pure_dict(abstract_params), source, layout.jdtype)
     state = ModelState(graphdef=graphdef, params=params)
     if layout.fuse:
@@ -173,14 +185,19 @@ def _single_device_state(source: CheckpointSource, config: DecoderConfig, layout
     return config, state
 
 
-def _coded_panels(source: CheckpointSource, config: DecoderConfig) -> CodedPanels:
+def _coded_panels(source: CheckpointSource, config: DecoderConfig, widen: bool
+                  ) -> CodedPanels:
     """The projections served from the checkpoint's own integer codes (a GGUF's
-    4- and 8-bit blocks; esurge.models.coded_layout), logged."""
+    4- and 8-bit blocks; esurge.models.coded_layout) and, where the model
+    serves float32 (widen), from its own bfloat16 values; logged."""
     start = time.perf_counter()
     coded = read_coded_panels(source, config)
+    if widen:
+        coded = coded.widened(widened_roles(source, config, coded.bits))
     if coded.bits:
-        log.info("serving %s from the checkpoint's codes (%.1fs to pack)",
-                 ", ".join(f"{role} ({bits}-bit)" for role, bits in coded.coded_weights),
+        log.info("serving %s from the checkpoint's own values (%.1fs to pack codes)",
+                 ", ".join(f"{role} ({'bfloat16' if bits == WIDENED_BITS else f'{bits}-bit'})"
+                           for role, bits in coded.coded_weights),
                  time.perf_counter() - start)
     return coded
 

@@ -24,7 +24,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from esurge.models.cpu_kernels import kernels_serve
+from esurge.models.cpu_kernels import kernels_serve, widened_panels_enabled
 from esurge.models.decoder_config import DecoderConfig
 from esurge.models.packed_linear import pack_weight
 from esurge.spec_decode.config import EagleConfig, EagleLayout
@@ -139,16 +139,35 @@ def _vocab_maps(tensors: dict[str, np.ndarray], config: EagleConfig) -> jax.Arra
     return jnp.asarray(d2t, jnp.int32)
 
 
-def _packed_params(params: HeadParams, dual: bool) -> HeadParams:
-    """Every projection's [out, in] weight as column panels (PackedLinear's layout),
-    and with dual also input-major (its `plain`)."""
+def _projections(params: HeadParams) -> list[jax.Array]:
+    """Every projection's [out, in] weight (the embedding is no projection)."""
+    found = []
+    for name, value in params.items():
+        if isinstance(value, dict):
+            found += _projections(value) if name != "embed_tokens" else []
+        elif name == "weight" and value.ndim == 2:
+            found.append(value)
+    return found
+
+
+def _bfloat16_values(params: HeadParams) -> bool:
+    """True when every projection holds bfloat16 values (exact in two bytes)."""
+    return all(bool(jnp.array_equal(w, w.astype(jnp.bfloat16).astype(w.dtype)))
+               for w in _projections(params))
+
+
+def _packed_params(params: HeadParams, weights: HeadWeights) -> HeadParams:
+    """Every projection's [out, in] weight as column panels (PackedLinear's
+    layout; widened: bfloat16 panels, CodedLinear's), and with a dual layout
+    also input-major (its `plain`)."""
     out: HeadParams = {}
     for name, value in params.items():
         if isinstance(value, dict):
-            out[name] = _packed_params(value, dual) if name != "embed_tokens" else value
+            out[name] = _packed_params(value, weights) if name != "embed_tokens" else value
         elif name == "weight" and value.ndim == 2:
-            out[name] = pack_weight(value.T)
-            if dual:
+            panels = pack_weight(value.T)
+            out[name] = {"panels": panels.astype(jnp.bfloat16)} if weights.widened else panels
+            if weights.dual:
                 out["plain"] = value.T
         else:
             out[name] = value
@@ -180,7 +199,8 @@ def head_serving_dtype(model_dtype: str, weights: HeadWeights) -> str:
 def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float32",
                     weights: HeadWeights = HeadWeights.PLAIN) -> EagleState:
     """Load the Eagle head in `path` for a target model of configuration `target`,
-    its projections stored as `weights` says (panels for the CPU kernels: serving)."""
+    its projections stored as `weights` says (panels for the CPU kernels: serving;
+    in float32, a head of bfloat16 values gets widened panels, HeadWeights.widen)."""
     path = Path(path)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -214,9 +234,12 @@ def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float
         raise ValueError(f"draft head in {path} has unexpected tensors {sorted(tensors)[:8]} "
                          f"for an {layout.value} layout")
     if weights is not HeadWeights.PLAIN:
+        if (jdtype == jnp.float32 and widened_panels_enabled()
+                and _bfloat16_values(params)):
+            weights = weights.widen()
         graphdef, packed_state = nnx.split(nnx.eval_shape(lambda: EagleHead(
             config, dtype=jdtype, own_embedding=own_embedding, weights=weights)))
-        params = _packed_params(params, dual=weights is HeadWeights.DUAL)
+        params = _packed_params(params, weights)
         expected = jax.tree_util.tree_map(lambda a: a.shape, nnx.to_pure_dict(packed_state))
         if jax.tree_util.tree_map(lambda a: a.shape, params) != expected:
             raise ValueError("packed draft head parameters do not match its packed modules")

@@ -17,8 +17,9 @@ The returned hidden state is what the next step consumes.
 
 Serving may store every projection packed in column panels (`HeadWeights`,
 esurge.models.packed_linear), so the head multiplies in the same CPU kernels
-as the target (float32, or bfloat16 where the CPU has it) instead of XLA's
-matmuls; training keeps the checkpoint's [out, in] layout.
+as the target (float32, or bfloat16 where the CPU has it; a float32 head
+of bfloat16 values in widened panels) instead of XLA's matmuls; training
+keeps the checkpoint's [out, in] layout.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from esurge.models.decoder_config import Activation
+from esurge.models.coded_linear import CodedLinear
+from esurge.models.decoder_config import WIDENED_BITS, Activation
 from esurge.models.forward import HashedGraph
 from esurge.models.layers import Embedding, Linear, RMSNorm
 from esurge.models.packed_linear import PackedLinear
@@ -59,17 +61,39 @@ class HeadWeights(Enum):
     # Panels for small buckets and input-major weights for larger ones (XLA's
     # matmul), as a dual-layout target keeps them (CPUs without AVX-512).
     DUAL = "dual"
+    # PANELS and DUAL for a float32 head whose values are all bfloat16 (as
+    # heads ship): the panels keep them in two bytes and the kernel widens
+    # them in registers (cpu_kernels/widened_matmul.cc), the same products.
+    WIDENED = "widened"
+    WIDENED_DUAL = "widened-dual"
+
+    @property
+    def dual(self) -> bool:
+        """Input-major weights kept beside the panels, for large buckets."""
+        return self in (HeadWeights.DUAL, HeadWeights.WIDENED_DUAL)
+
+    @property
+    def widened(self) -> bool:
+        """The panels hold bfloat16 values multiplied in float32."""
+        return self in (HeadWeights.WIDENED, HeadWeights.WIDENED_DUAL)
+
+    def widen(self) -> HeadWeights:
+        """The widened form of a panel layout (PLAIN has none: itself)."""
+        return {HeadWeights.PANELS: HeadWeights.WIDENED,
+                HeadWeights.DUAL: HeadWeights.WIDENED_DUAL}.get(self, self)
 
 
-HeadLinear = Linear | PackedLinear
+HeadLinear = Linear | PackedLinear | CodedLinear
 
 
 def _linear(in_features: int, out_features: int, *, bias: bool, dtype: jnp.dtype,
             weights: HeadWeights) -> HeadLinear:
     if weights is HeadWeights.PLAIN:
         return Linear(in_features, out_features, bias=bias, dtype=dtype)
-    return PackedLinear(in_features, out_features, bias=bias, dtype=dtype,
-                        dual=weights is HeadWeights.DUAL)
+    if weights.widened:
+        return CodedLinear(in_features, out_features, bits=WIDENED_BITS, bias=bias, dtype=dtype,
+                           dual=weights.dual)
+    return PackedLinear(in_features, out_features, bias=bias, dtype=dtype, dual=weights.dual)
 
 
 def _norm(dim: int, config: EagleConfig, dtype: jnp.dtype) -> RMSNorm:

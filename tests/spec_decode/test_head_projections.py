@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from esurge.models import load_model
+from esurge.models.coded_linear import CodedLinear
 from esurge.models.cpu_kernels import kernel_available
-from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS
+from esurge.models.packed_linear import DUAL_KERNEL_MAX_ROWS, PackedLinear
 from esurge.models.rope import rope_cos_sin
 from esurge.spec_decode.checkpoint import head_weights, load_eagle_head
 from esurge.spec_decode.head import EagleHead, HeadWeights
@@ -79,6 +80,27 @@ def test_packed_projections_draft_as_the_checkpoint_layout(rows: int,
     assert not padded[real:].any()
 
 
+@pytest.mark.parametrize("weights", [HeadWeights.PANELS, HeadWeights.DUAL])
+def test_a_head_of_bfloat16_values_drafts_bit_for_bit_from_widened_panels(
+        weights: HeadWeights, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = load_model(REPO / "models" / "tiny-stdlib", "float32")
+    widened = load_eagle_head(HEAD, target.config, "float32", weights).module()
+    monkeypatch.setenv("ESURGE_WIDENED_PANELS", "0")  # upcast to float32 panels
+    upcast = load_eagle_head(HEAD, target.config, "float32", weights).module()
+    assert isinstance(widened.fc, CodedLinear) and isinstance(upcast.fc, PackedLinear)
+    assert widened.lm_head.weight.panels.dtype == jnp.bfloat16  # type: ignore[union-attr]
+    module = target.model_state.module()
+    rng = np.random.default_rng(5)
+    for rows in (1, 5, 7, 40):
+        features = jnp.asarray(rng.normal(size=(rows, upcast.config.feature_size)), jnp.float32)
+        ids = jnp.asarray(rng.integers(0, upcast.config.vocab_size, rows), jnp.int32)
+        real = jnp.int32(rows)
+        for got, want in zip(_draft_pass(widened, module, features, ids, real),
+                             _draft_pass(upcast, module, features, ids, real), strict=True):
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                          np.asarray(want).view(np.uint32))
+
+
 @pytest.mark.parametrize(("packed", "dual", "on_mesh", "want"), [
     (True, False, False, HeadWeights.PANELS),
     (True, True, False, HeadWeights.DUAL),  # no AVX-512: big buckets on XLA's matmul
@@ -88,7 +110,8 @@ def test_packed_projections_draft_as_the_checkpoint_layout(rows: int,
 def test_the_head_takes_its_targets_layout(packed: bool, dual: bool, on_mesh: bool,
                                            want: HeadWeights) -> None:
     config = load_model(REPO / "models" / "tiny-stdlib", "float32").config
-    config = dataclasses.replace(config, packed_weights=packed, dual_layout=dual)
+    config = dataclasses.replace(config, packed_weights=packed, dual_layout=dual,
+                                 coded_weights=())
     assert head_weights(config, on_mesh=on_mesh) is want
 
 

@@ -8,7 +8,9 @@ contiguous column panels (XLA's matmul walks an [in, out] weight with strides
 the prefetcher does not follow and repacks it on every call).
 `coded_matmul.cc` does the same for weights kept as a GGUF's integer codes,
 expanded to float32 in cache (through the same register tiles,
-`panel_tiles.h`). `bf16_matmul.cc` multiplies bfloat16 panels with the CPU's
+`panel_tiles.h`), and `widened_matmul.cc` for bfloat16 weights served in
+float32 (half the bytes of upcast panels, widened in registers).
+`bf16_matmul.cc` multiplies bfloat16 panels with the CPU's
 own bfloat16 dot products (AMX tiles, AVX512_BF16), built where the CPU has
 them (`cpu_has_bf16_dot`). All share `parallel_for.h`. The shared library is compiled
 once per (sources, compiler, CPU) into a cache directory and its handlers
@@ -20,6 +22,8 @@ Environment:
     ESURGE_CPU_KERNELS=0      never build or use the kernels
     ESURGE_KERNEL_CACHE=DIR   where built libraries go (default
                               ~/.cache/esurge/kernels)
+    ESURGE_WIDENED_PANELS=0   upcast a bfloat16 checkpoint served in float32
+                              to float32 panels (widened_panels_enabled)
     CXX                       the compiler (default c++)
 """
 
@@ -48,6 +52,7 @@ __all__ = [
     "MATMUL_TARGET",
     "PANEL",
     "TARGET",
+    "WIDENED_TARGET",
     "attention_kernel_serves",
     "coded_matmul_kernel",
     "cpu_has_amx",
@@ -57,6 +62,8 @@ __all__ = [
     "kernels_serve",
     "packed_matmul_kernel",
     "paged_attention_kernel",
+    "widened_matmul_kernel",
+    "widened_panels_enabled",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,12 +72,13 @@ TARGET = "esurge_paged_attention"
 BF16_CACHE_TARGET = "esurge_paged_attention_bf16"
 MATMUL_TARGET = "esurge_packed_matmul"
 CODED_TARGET = "esurge_coded_matmul"
+WIDENED_TARGET = "esurge_widened_matmul"  # bfloat16 panels, float32 arithmetic
 BF16_TARGET = "esurge_bf16_matmul"
 BF16_F32_TARGET = "esurge_bf16_matmul_f32"  # float32 results: row-parallel partial sums
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc",
-            _HERE / "bf16_matmul.cc")
+            _HERE / "widened_matmul.cc", _HERE / "bf16_matmul.cc")
 _HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "panel_tiles.h",
             _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
@@ -110,6 +118,13 @@ def cpu_has_amx() -> bool:
     """True when this CPU has AMX bfloat16 tiles (the bfloat16 kernel uses them for
     steps of 8 rows and more, where Linux grants the tile state)."""
     return {"amx_bf16", "amx_tile"} <= _cpu_flags()
+
+
+def widened_panels_enabled() -> bool:
+    """True unless ESURGE_WIDENED_PANELS=0: a bfloat16 checkpoint served in
+    float32 keeps its own values in bfloat16 panels (widened_matmul.cc; the
+    same products in half the bytes) rather than upcast float32 panels."""
+    return os.environ.get("ESURGE_WIDENED_PANELS", "1") != "0"
 
 
 def cpu_has_bf16_dot() -> bool:
@@ -182,6 +197,8 @@ def _load() -> bool:
         jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.EsurgePackedMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(CODED_TARGET, jax.ffi.pycapsule(lib.EsurgeCodedMatmul),
+                                    platform="cpu")
+        jax.ffi.register_ffi_target(WIDENED_TARGET, jax.ffi.pycapsule(lib.EsurgeWidenedMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(BF16_TARGET, jax.ffi.pycapsule(lib.EsurgeBf16Matmul),
                                     platform="cpu")
@@ -304,3 +321,17 @@ def coded_matmul_kernel(
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     return jax.ffi.ffi_call(CODED_TARGET, out)(x, codes, scale, offset, rows,
                                                silu_mul=silu_mul, bits=np.int64(bits))
+
+
+def widened_matmul_kernel(
+    x: jax.Array,  # [M, K] float32
+    w: jax.Array,  # [P, K, PANEL] bfloat16: the float32 panels' layout
+    out_features: int,
+    num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
+    silu_mul: bool = False,
+) -> jax.Array:  # [M, N] float32
+    """x @ W in float32 with W's bfloat16 panels widened in registers (see
+    widened_matmul.cc): the float32 panel kernel's result on the upcast W."""
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
+    return jax.ffi.ffi_call(WIDENED_TARGET, out)(x, w, rows, silu_mul=silu_mul)

@@ -141,36 +141,15 @@ struct CodedRows {
   }
 };
 
-// The rows [r0, r1) of panel p. Up to kFewRows rows read the codes directly
-// (one pass over the panel); more expand the panel once into this thread's
-// scratch (it stays in cache for every row tile of the chunk). Both multiply
-// the same float32 values in the same order.
-template <int kBits>
-void Chunk(const Problem& pb, const Codes& c, int64_t p, int64_t r0, int64_t r1) {
-  const CodedRows<kBits> coded(c, p);
-  if (r1 - r0 <= kFewRows) return FewRows(pb, coded, r0, p, static_cast<int>(r1 - r0));
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(c.k * kPanel));
-  for (int64_t k = 0; k < c.k; ++k) {
-    Vec row[kPanelVecs];
-    coded.Load(k, row);
-    std::memcpy(&scratch[k * kPanel], row, sizeof(row));
-  }
-  const PanelRows expanded{scratch.data(), false};
-  for (int64_t r = r0; r < r1; r += kFewRows) {
-    FewRows(pb, expanded, r, p, static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
-  }
-}
-
 // Work items as in packed_matmul.cc: (row chunk, panel), panels fastest.
 void Items(const Problem& pb, const Codes& c, int64_t num_panels, int64_t begin, int64_t end) {
   for (int64_t item = begin; item < end; ++item) {
     const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
     const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
     if (c.bits == 4) {
-      Chunk<4>(pb, c, p, r0, r1);
+      ExpandedChunk(pb, CodedRows<4>(c, p), p, r0, r1);
     } else {
-      Chunk<8>(pb, c, p, r0, r1);
+      ExpandedChunk(pb, CodedRows<8>(c, p), p, r0, r1);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "fast_exp.h"
 
@@ -225,6 +226,27 @@ inline void FewRows(const Problem& pb, const Rows& panel_rows, int64_t r0, int64
     case 6: return HalfTile<6>(pb, panel_rows, r0, p);
 #endif
     default: return;
+  }
+}
+
+// The rows [r0, r1) of panel p from a panel source that computes its rows
+// (coded or bfloat16 panels). Up to kFewRows rows read the source directly
+// (one pass over the panel); more expand the panel once into this thread's
+// scratch (it stays in cache for every row tile of the chunk). Both multiply
+// the same float32 values in the same order.
+template <typename Rows>
+void ExpandedChunk(const Problem& pb, const Rows& source, int64_t p, int64_t r0, int64_t r1) {
+  if (r1 - r0 <= kFewRows) return FewRows(pb, source, r0, p, static_cast<int>(r1 - r0));
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(pb.k * kPanel));
+  for (int64_t k = 0; k < pb.k; ++k) {
+    Vec row[kPanelVecs];
+    source.Load(k, row);
+    std::memcpy(&scratch[k * kPanel], row, sizeof(row));
+  }
+  const PanelRows expanded{scratch.data(), false};
+  for (int64_t r = r0; r < r1; r += kFewRows) {
+    FewRows(pb, expanded, r, p, static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
   }
 }
 
