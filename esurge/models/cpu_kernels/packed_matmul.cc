@@ -32,8 +32,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "panel_call.h"
 #include "panel_tiles.h"
-#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -42,47 +42,19 @@ namespace {
 
 using namespace esurge_kernels::panel;  // NOLINT: the shared tiles
 
-// Work items [begin, end) of (row chunk, panel), panels fastest: the first
-// row tile streams a panel in (prefetching ahead), the others find it in cache,
-// and the chunk's rows of x stay cached across its panels.
-void Items(const Problem& pb, const float* w, int64_t num_panels, int64_t begin, int64_t end) {
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t p = item % num_panels, r0 = item / num_panels * kRowChunk;
-    const int64_t r1 = std::min(pb.m, r0 + kRowChunk);
-    const float* panel = w + p * pb.k * kPanel;
-    for (int64_t r = r0; r < r1; r += kFewRows) {
-      FewRows(pb, PanelRows{panel, r == r0}, r, p,
-              static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
-    }
-  }
-}
-
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> num_rows,
                             ffi::ResultBuffer<ffi::F32> y, bool silu_mul) {
-  const auto xd = x.dimensions();
   const auto wd = w.dimensions();
-  const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2) {
-    return ffi::Error::InvalidArgument("packed matmul: expected x [M, K], w [P, K, 32], y [M, N]");
-  }
-  const int64_t per_panel = silu_mul ? kLanes : kPanel;  // output columns of a panel
-  if (wd[2] != kPanel || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] > wd[0] * per_panel ||
-      yd[1] <= (wd[0] - 1) * per_panel) {
-    return ffi::Error::InvalidArgument("packed matmul: shapes do not match");
-  }
-  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  const Problem pb{x.typed_data(), y->typed_data(), rows, xd[1], yd[1], silu_mul};
   const float* panels = w.typed_data();
-  std::memset(pb.y + rows * pb.n, 0, sizeof(float) * (xd[0] - rows) * pb.n);
-  const int64_t num_panels = wd[0];
-  const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
-  // Items cost about the same: a few chunks per thread balance a busy pool.
-  esurge_kernels::ParallelFor(pool, items, 4, [&pb, panels, num_panels](int64_t begin,
-                                                                        int64_t end) {
-    Items(pb, panels, num_panels, begin, end);
-  });
-  return ffi::Error::Success();
+  return RunPanelMatmul(pool, "packed matmul", x, wd, y, num_rows.typed_data()[0], silu_mul,
+                        [panels](const Problem& pb, int64_t p, int64_t r0, int64_t r1) {
+                          const float* panel = panels + p * pb.k * kPanel;
+                          for (int64_t r = r0; r < r1; r += kFewRows) {
+                            FewRows(pb, PanelRows{panel, r == r0}, r, p,
+                                    static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
+                          }
+                        });
 }
 
 }  // namespace
