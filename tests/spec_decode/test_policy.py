@@ -127,17 +127,29 @@ def test_a_step_costs_the_span_since_the_step_before_it() -> None:
     assert step_cost(started=2.0, collected=2.01, last_collected=None) == pytest.approx(0.01)
 
 
-def test_a_remeasurement_is_judged_on_its_own_steps() -> None:
-    # Speculation lost on one request's prompt; the next request's drafts are
-    # accepted far more often: its steps alone decide, not a window still full
-    # of the first request's.
-    policy = AdaptiveSpeculation(min_samples=1, settle=0, refresh=5, remeasure=2)
+def test_a_remeasurement_joins_the_earlier_speculative_steps() -> None:
+    # Acceptance is mostly a property of the request: one request whose drafts
+    # fare well after several that fared badly does not turn speculation on,
+    # and one unlucky request after many good ones does not turn it off.
+    policy = AdaptiveSpeculation(min_samples=1, settle=0, refresh=5, remeasure=2, window=12)
     feed(policy, True, 1, 10, 1, 0.01)  # 100 tok/s
     feed(policy, False, 1, 5, 1, 0.001)  # 1,000 tok/s
     assert policy.speculate(1)  # five plain steps since speculation ran: measure again
     feed(policy, True, 1, 2, 50, 0.01)  # 5,000 tok/s
+    assert policy.rates[(True, 1)].tokens_per_s == pytest.approx((10 + 100) / 0.12)
+    assert not policy.speculate(1)  # 917 tok/s over the window: plain still wins
+    feed(policy, False, 1, 5, 1, 0.001)
     assert policy.speculate(1)
-    assert policy.rates[(True, 1)].tokens_per_s == pytest.approx(5000)
+    feed(policy, True, 1, 2, 50, 0.01)  # the window: 8 slow steps, 4 fast ones
+    assert policy.speculate(1)  # 1,733 tok/s: speculation wins
+    feed(policy, True, 1, 2, 1, 0.01)  # an unlucky request's steps
+    assert policy.speculate(1)  # still 1,733 tok/s over the window
+    assert len(policy.rates[(True, 1)].recent) == 12
+
+
+def test_the_window_must_hold_a_step() -> None:
+    with pytest.raises(ValueError, match="window"):
+        AdaptiveSpeculation(window=0)
 
 
 def test_a_new_requests_prompt_starts_the_remeasurement() -> None:
