@@ -234,8 +234,12 @@ def load_eagle_head(path: str | Path, target: DecoderConfig, dtype: str = "float
         raise ValueError(f"draft head in {path} has unexpected tensors {sorted(tensors)[:8]} "
                          f"for an {layout.value} layout")
     if weights is not HeadWeights.PLAIN:
-        if (jdtype == jnp.float32 and widened_panels_enabled()
-                and _bfloat16_values(params)):
+        exact = jdtype == jnp.float32 and _bfloat16_values(params)
+        if weights.widened and not exact:
+            raise ValueError(f"weights={weights.value!r} needs a float32 head whose "
+                             f"projections hold bfloat16 values; {path} (dtype {dtype}) "
+                             "would be rounded")
+        if exact and widened_panels_enabled():
             weights = weights.widen()
         graphdef, packed_state = nnx.split(nnx.eval_shape(lambda: EagleHead(
             config, dtype=jdtype, own_embedding=own_embedding, weights=weights)))

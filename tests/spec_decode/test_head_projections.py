@@ -101,6 +101,12 @@ def test_a_head_of_bfloat16_values_drafts_bit_for_bit_from_widened_panels(
                                           np.asarray(want).view(np.uint32))
 
 
+def test_widened_panels_are_refused_where_they_would_round() -> None:
+    target = load_model(REPO / "models" / "tiny-stdlib", "float32")
+    with pytest.raises(ValueError, match="bfloat16 values"):
+        load_eagle_head(HEAD, target.config, "bfloat16", HeadWeights.WIDENED)
+
+
 @pytest.mark.parametrize(("packed", "dual", "on_mesh", "want"), [
     (True, False, False, HeadWeights.PANELS),
     (True, True, False, HeadWeights.DUAL),  # no AVX-512: big buckets on XLA's matmul
