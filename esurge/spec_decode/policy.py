@@ -58,7 +58,7 @@ class StepRate:
     """
 
     settle: int = 16
-    window: int = 32
+    window: int = 512  # AdaptiveSpeculation.window
     recent: deque[tuple[int, float]] = field(init=False, repr=False)
     seen: int = 0
 
@@ -227,8 +227,6 @@ class AdaptiveSpeculation(SpeculationPolicy):
         if self._plain_since.get(batch, 0) < self.refresh:
             return False
         self._owed[batch] = self.remeasure
-        # The verdict after it reads the new steps alone: the old ones (often
-        # another request's, whose drafts fared otherwise) would outweigh them.
         return True
 
     def _measured(self, batch: int) -> bool | None:

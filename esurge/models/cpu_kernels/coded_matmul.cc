@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
