@@ -91,11 +91,21 @@ inline void SiluMul(const float* gate, const float* up, float* out) {
   }
 }
 
+// A source of panel rows is read one block of kBlockRows rows at a time:
+// BlockAt(kb) gives rows [kb, kb + kBlockRows) (what the block shares, such
+// as a coded panel's scales, loaded once), whose Load(k, b) writes row k's
+// kPanelVecs vectors and LoadHalf<H, MR>(k, b) its half H for a tile of MR
+// rows. Sources with nothing to share are one block.
+constexpr int64_t kWholePanel = int64_t{1} << 40;
+
 // A float32 panel in memory as a source of panel rows, prefetching ahead when
 // it streams in from memory (the first row tile of a chunk).
 struct PanelRows {
+  static constexpr int64_t kBlockRows = kWholePanel;
   const float* panel;  // [K, kPanel]
   bool prefetch;
+
+  const PanelRows& BlockAt(int64_t) const { return *this; }
 
   inline void Load(int64_t k, Vec* b) const {
     for (int v = 0; v < kPanelVecs; ++v) b[v] = LoadVec(panel + k * kPanel + v * kNative);
@@ -106,12 +116,12 @@ struct PanelRows {
   }
 
   // Columns [H * kLanes, (H + 1) * kLanes) of panel row k: kHalfVecs vectors.
-  template <int H>
+  template <int H, int MR>
   inline void LoadHalf(int64_t k, Vec* b) const {
     const float* row = panel + k * kPanel + H * kLanes;
     for (int v = 0; v < kHalfVecs; ++v) {
       b[v] = LoadVec(row + v * kNative);
-#if defined(__x86_64__)
+#if defined(__AVX2__)
       // Held in a register: GCC otherwise folds the load into every row's
       // multiply-add, and the repeated loads made 3 and 4 rows slower than 5
       // (one core of a Zen 3 EPYC, 3 / 4 rows: 4.1 / 5.4 -> 2.9 / 3.1 ns per
@@ -165,12 +175,16 @@ void Tile(const Problem& pb, const Rows& panel_rows, int64_t r0, int64_t p) {
   Vec acc[MR][kPanelVecs];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = Vec{};
-  for (int64_t k = 0; k < pb.k; ++k) {
-    Vec b[kPanelVecs];
-    panel_rows.Load(k, b);
-    for (int r = 0; r < MR; ++r) {
-      const Vec a = Broadcast(x[r * pb.k + k]);
-      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += a * b[v];
+  for (int64_t kb = 0; kb < pb.k; kb += Rows::kBlockRows) {
+    const auto& block = panel_rows.BlockAt(kb);
+    const int64_t kend = std::min(pb.k, kb + Rows::kBlockRows);
+    for (int64_t k = kb; k < kend; ++k) {
+      Vec b[kPanelVecs];
+      block.Load(k, b);
+      for (int r = 0; r < MR; ++r) {
+        const Vec a = Broadcast(x[r * pb.k + k]);
+        for (int v = 0; v < kPanelVecs; ++v) acc[r][v] += a * b[v];
+      }
     }
   }
   // Each row's panel of results as plain floats: [0, kLanes) is the first
@@ -192,12 +206,16 @@ inline void HalfPass(const Problem& pb, const Rows& panel_rows, const float* x,
   Vec acc[MR][kHalfVecs];
   for (int r = 0; r < MR; ++r)
     for (int v = 0; v < kHalfVecs; ++v) acc[r][v] = Vec{};
-  for (int64_t k = 0; k < pb.k; ++k) {
-    Vec b[kHalfVecs];
-    panel_rows.template LoadHalf<H>(k, b);
-    for (int r = 0; r < MR; ++r) {
-      const Vec a = Broadcast(x[r * pb.k + k]);
-      for (int v = 0; v < kHalfVecs; ++v) acc[r][v] += a * b[v];
+  for (int64_t kb = 0; kb < pb.k; kb += Rows::kBlockRows) {
+    const auto& block = panel_rows.BlockAt(kb);
+    const int64_t kend = std::min(pb.k, kb + Rows::kBlockRows);
+    for (int64_t k = kb; k < kend; ++k) {
+      Vec b[kHalfVecs];
+      block.template LoadHalf<H, MR>(k, b);
+      for (int r = 0; r < MR; ++r) {
+        const Vec a = Broadcast(x[r * pb.k + k]);
+        for (int v = 0; v < kHalfVecs; ++v) acc[r][v] += a * b[v];
+      }
     }
   }
   for (int r = 0; r < MR; ++r)
@@ -251,10 +269,14 @@ void ExpandedChunk(const Problem& pb, const Rows& source, int64_t p, int64_t r0,
   if (r1 - r0 <= kFewRows) return FewRows(pb, source, r0, p, static_cast<int>(r1 - r0));
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(pb.k * kPanel));
-  for (int64_t k = 0; k < pb.k; ++k) {
-    Vec row[kPanelVecs];
-    source.Load(k, row);
-    std::memcpy(&scratch[k * kPanel], row, sizeof(row));
+  for (int64_t kb = 0; kb < pb.k; kb += Rows::kBlockRows) {
+    const auto& block = source.BlockAt(kb);
+    const int64_t kend = std::min(pb.k, kb + Rows::kBlockRows);
+    for (int64_t k = kb; k < kend; ++k) {
+      Vec row[kPanelVecs];
+      block.Load(k, row);
+      std::memcpy(&scratch[k * kPanel], row, sizeof(row));
+    }
   }
   const PanelRows expanded{scratch.data(), false};
   for (int64_t r = r0; r < r1; r += kFewRows) {

@@ -60,7 +60,10 @@ inline Vec Bf16AsFloats(const uint16_t* h) {
 // A bfloat16 panel as a source of float32 panel rows, prefetching ahead as
 // it streams in (a panel row is 64 bytes: one cache line).
 struct Bf16Rows {
+  static constexpr int64_t kBlockRows = kWholePanel;
   const uint16_t* panel;  // [K, kPanel]
+
+  const Bf16Rows& BlockAt(int64_t) const { return *this; }
 
   inline void Load(int64_t k, Vec* b) const {
     const uint16_t* row = panel + k * kPanel;
@@ -68,7 +71,7 @@ struct Bf16Rows {
     for (int v = 0; v < kPanelVecs; ++v) b[v] = Bf16AsFloats(row + v * kNative);
   }
 
-  template <int H>
+  template <int H, int MR>
   inline void LoadHalf(int64_t k, Vec* b) const {
     const uint16_t* row = panel + k * kPanel + H * kLanes;
     __builtin_prefetch(row + kPrefetchRows * kPanel);
