@@ -269,16 +269,22 @@ void ExpandedChunk(const Problem& pb, const Rows& source, int64_t p, int64_t r0,
   if (r1 - r0 <= kFewRows) return FewRows(pb, source, r0, p, static_cast<int>(r1 - r0));
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(pb.k * kPanel));
+  // Rows stored through a vector pointer: copying each row out by address
+  // sent it through the stack, and the expansion cost 4.8 ns a panel row
+  // (2.4 now), against 1.9 for a whole one-row coded tile.
+  float* const expanded_rows = scratch.data();
   for (int64_t kb = 0; kb < pb.k; kb += Rows::kBlockRows) {
     const auto& block = source.BlockAt(kb);
     const int64_t kend = std::min(pb.k, kb + Rows::kBlockRows);
     for (int64_t k = kb; k < kend; ++k) {
       Vec row[kPanelVecs];
       block.Load(k, row);
-      std::memcpy(&scratch[k * kPanel], row, sizeof(row));
+      for (int v = 0; v < kPanelVecs; ++v) {
+        *reinterpret_cast<UnalignedVec*>(expanded_rows + k * kPanel + v * kNative) = row[v];
+      }
     }
   }
-  const PanelRows expanded{scratch.data(), false};
+  const PanelRows expanded{expanded_rows, false};
   for (int64_t r = r0; r < r1; r += kFewRows) {
     FewRows(pb, expanded, r, p, static_cast<int>(std::min<int64_t>(kFewRows, r1 - r)));
   }
