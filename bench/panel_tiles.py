@@ -1,10 +1,11 @@
 """The panel kernels' register tiles alone, one core: nanoseconds per panel row by row count.
 
 Compiles a small C++ driver around esurge/models/cpu_kernels/coded_matmul.cc
-and packed_matmul.cc's tiles (the engine's own compile flags, -march=native)
-and times one thread multiplying M rows by --panels panels of SmolLM2's
-gate/up shape (K = 576): 4-bit codes (the coded kernel's expansion and tiles)
-and float32 panels (the tiles alone). No thread pool, no XLA call: what is left
+and widened_matmul.cc (the engine's own compile flags, -march=native), and
+times one thread multiplying M rows by --panels
+panels of SmolLM2's gate/up shape (K = 576): 4-bit codes (the coded kernel's
+expansion and tiles), bfloat16 panels (widened in registers) and float32
+panels (the tiles alone). No thread pool, no XLA call: what is left
 is the tiles' own instruction stream, the part the kernels' code decides. A
 panel row is one k of one 32-column panel, so 1 / ns is panel rows per
 nanosecond whatever the shape. With --panels 4 the weights stay in L2; the
@@ -27,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 _DRIVER = r"""
 #include "coded_matmul.cc"
+#include "widened_matmul.cc"
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -53,11 +55,13 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> codes(P * K * 16);
   std::vector<float> scale(P * K), offset(P * K), x(64 * K), y(64 * P * 32);
   std::vector<float> panel(P * K * 32);
+  std::vector<uint16_t> halves(P * K * 32);
   for (auto& c : codes) c = g();
   for (auto& s : scale) s = (g() % 100) / 1000.f;
   for (auto& o : offset) o = -(g() % 100) / 100.f;
   for (auto& v : x) v = ((int)(g() % 2001) - 1000) / 997.f;
   for (auto& w : panel) w = ((int)(g() % 2001) - 1000) / 1999.f;
+  for (auto& h : halves) h = static_cast<uint16_t>(0x3c00 + g() % 512);
   const Codes c{codes.data(), scale.data(), offset.data(), K, 4};
   for (int a = 3; a < argc; ++a) {
     const int rows = std::atoi(argv[a]);
@@ -73,7 +77,13 @@ int main(int argc, char** argv) {
         }
       }
     });
-    std::printf("%4d %10.2f %10.2f\n", rows, coded * 1e9 / (K * P), f32 * 1e9 / (K * P));
+    const double bf16 = Best(repeats, [&] {
+      for (int64_t p = 0; p < P; ++p) {
+        ExpandedChunk(pb, Bf16Rows{halves.data() + p * K * kPanel}, p, 0, rows);
+      }
+    });
+    std::printf("%4d %10.2f %10.2f %10.2f\n", rows, coded * 1e9 / (K * P), bf16 * 1e9 / (K * P),
+                f32 * 1e9 / (K * P));
   }
 }
 """
@@ -102,7 +112,7 @@ def main() -> None:
                        check=True)
         print(f"AVX-512: {cpu_kernels.cpu_has_avx512()}; {args.panels} panels of K = 576, "
               f"best of {args.repeats}; ns per panel row, one thread")
-        print(f"{'rows':>4} {'4-bit':>10} {'float32':>10}")
+        print(f"{'rows':>4} {'4-bit':>10} {'bfloat16':>10} {'float32':>10}")
         sys.stdout.flush()
         subprocess.run([str(binary), str(args.panels), str(args.repeats), *map(str, rows)],
                        check=True)
