@@ -121,7 +121,7 @@ struct PanelRows {
     const float* row = panel + k * kPanel + H * kLanes;
     for (int v = 0; v < kHalfVecs; ++v) {
       b[v] = LoadVec(row + v * kNative);
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
       // Held in a register: GCC otherwise folds the load into every row's
       // multiply-add, and the repeated loads made 3 and 4 rows slower than 5
       // (one core of a Zen 3 EPYC, 3 / 4 rows: 4.1 / 5.4 -> 2.9 / 3.1 ns per
