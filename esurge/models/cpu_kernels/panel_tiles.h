@@ -95,7 +95,10 @@ inline void SiluMul(const float* gate, const float* up, float* out) {
 // BlockAt(kb) gives rows [kb, kb + kBlockRows) (what the block shares, such
 // as a coded panel's scales, loaded once), whose Load(k, b) writes row k's
 // kPanelVecs vectors and LoadHalf<H, MR>(k, b) its half H for a tile of MR
-// rows. Sources with nothing to share are one block.
+// rows. Sources with nothing to share are one block. The block loop is
+// spelled out in each tile: one shared helper taking the loop body as a
+// lambda made GCC spill float32 half tiles (5 rows 4.2 -> 11.0 ns a panel
+// row).
 constexpr int64_t kWholePanel = int64_t{1} << 40;
 
 // A float32 panel in memory as a source of panel rows, prefetching ahead when
