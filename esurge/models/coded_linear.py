@@ -16,10 +16,11 @@ Where the model also keeps the input-major float32 weight (dual layout, CPUs
 without AVX-512), the kernel serves the buckets the float32 panel kernel
 serves (packed_linear.DUAL_KERNEL_MAX_ROWS) and XLA's matmul on that weight
 the larger ones. Since the AVX2 tiles run in registers, the coded kernel is
-level with or ahead of XLA's matmul up to 32 rows, and it skips the bucket's
+level with or ahead of XLA's matmul up to 128 rows, and it skips the bucket's
 padding rows (`bench/kernel_rows.py` on a 2-core AMD EPYC with AVX2 only,
 SmolLM2's shapes, coded / XLA time: 0.39-0.82 at 1 row, 0.91-1.04 at 4,
-0.60-0.92 at 16, 0.61-0.71 at 32; at 4 real rows of a 16-row bucket the
+0.60-0.92 at 16, 0.61-0.71 at 32, before the tiles were trimmed; after,
+0.49-1.06 at 64 and 0.60-1.11 at 128; at 4 real rows of a 16-row bucket the
 kernel computes 4 rows where XLA computes 16).
 """
 

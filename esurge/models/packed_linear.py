@@ -75,13 +75,18 @@ def pack_weight(weight: jax.Array) -> jax.Array:  # [in, out] -> [P, in, PANEL]
 
 # Most rows (a bucket's, known when tracing) the kernel serves when the
 # model also keeps the input-major weight (DecoderConfig.dual_layout, chosen
-# where the CPU lacks AVX-512): there the kernel's row tiles are 2 rows, and
-# past a few dozen rows XLA's matmul on the plain [in, out] weight catches up,
-# first on the SiLU-gated gate/up. `bench/kernel_rows.py` on a 2-core AMD EPYC
-# with AVX2 only (kernel / XLA time): SmolLM2's gate/up 0.51 at 16 rows, 0.57
-# at 32, 0.93 at 64, 1.21 at 128; its other projections 0.5-0.8 up to 128;
-# the 4.5M test model's gate/up 0.76 at 32 rows, 1.66 at 256.
-DUAL_KERNEL_MAX_ROWS = 32
+# where the CPU lacks AVX-512): there the kernel's row tiles are at most 6
+# rows, and past a hundred or so rows XLA's matmul on the plain [in, out]
+# weight catches up, first on the SiLU-gated gate/up. `bench/kernel_rows.py`
+# on a 2-core AMD EPYC with AVX2 only (kernel / XLA time, 4-bit codes for
+# SmolLM2, float32 panels for the others): SmolLM2's projections 0.49-1.06 at
+# 64 rows and 0.60-1.11 at 128 (a whole layer 0.80 / 0.90), the 150M Llama's
+# 0.81-1.07 / 0.92-1.08, the 4.5M test model's 0.52-0.81 / 0.54-0.83; and the
+# kernel computes only a bucket's real rows where XLA computes them all. It
+# was 32 until the tiles' instruction stream was trimmed (panel_tiles.h):
+# SmolLM2's prefill of a 40 / 100 / 120-token prompt (buckets 64 and 128)
+# then took 113 / 204 / 208 ms, now 65-73 / 155-169 / 184-199.
+DUAL_KERNEL_MAX_ROWS = 128
 
 
 def _kernel_takes(x: jax.Array, packed: jax.Array) -> bool:
