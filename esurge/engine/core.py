@@ -102,9 +102,14 @@ class EngineCore(Generic[PendingStep]):
             fresh = scheduler_output
         if not in_flight:
             return {}
-        if (len(in_flight) == 1 and fresh is not None and not fresh.is_empty()
-                and self.executor.pipelines(in_flight[0][1])):
-            return {}  # keep the device busy: collect once the next step is queued
+        if len(in_flight) == 1 and fresh is not None and not fresh.is_empty():
+            if self.executor.pipelines(in_flight[0][1]):
+                return {}  # keep the device busy: collect once the next step is queued
+            # A barrier dispatched alone (every step of a speculative batch is
+            # one): collecting it here and returning would leave nothing in
+            # flight, so the step after it would again be scheduled only
+            # after its outputs were handled, with the device idle meanwhile.
+            return self._step_past_barrier()
         scheduler_output, pending = in_flight.popleft()
         runner_output = self.executor.collect(pending)
         return self.scheduler.update_from_output(scheduler_output, runner_output)

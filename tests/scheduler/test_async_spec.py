@@ -140,9 +140,11 @@ def test_async_drops_drafts_that_arrive_behind_a_scheduled_step() -> None:
 @dataclass
 class _MixedExecutor:
     """An executor over FakeRunner whose steps propose drafts only on every third
-    step: the others pipeline (async scheduling), as an Eagle engine's plain steps."""
+    step: the others pipeline (async scheduling), as an Eagle engine's plain steps.
+    With all_barriers every step proposes, as in an Eagle batch that always drafts."""
 
     runner: FakeRunner
+    all_barriers: bool = False
     dispatched: int = 0
     events: list[str] = field(default_factory=list)  # "dispatch", "collect", "collect barrier"
 
@@ -150,7 +152,7 @@ class _MixedExecutor:
         self.dispatched += 1
         self.events.append("dispatch")
         result = self.runner.execute(out)
-        if self.dispatched % 3 and result.spec_token_ids is not None:
+        if not self.all_barriers and self.dispatched % 3 and result.spec_token_ids is not None:
             result.spec_token_ids = [[] for _ in result.spec_token_ids]
         return out, result
 
@@ -187,12 +189,14 @@ def test_async_core_pipelines_plain_steps_and_verifies_drafts(num_pages: int) ->
     assert all(r.num_output_placeholders == 0 for r in s.requests.values())
 
 
-def test_the_step_after_a_verification_is_dispatched_before_its_outputs_return() -> None:
+@pytest.mark.parametrize("all_barriers", [False, True])
+def test_the_step_after_a_verification_is_dispatched_before_its_outputs_return(
+        all_barriers: bool) -> None:
     s = make_scheduler(async_scheduling=True, num_spec=3, max_model_len=32,
                        max_num_batched_tokens=32)
     for k, p in enumerate(PROMPTS):
         s.add_request(make_request(f"r{k}", p, 12, ignore_eos=True))
-    executor = _MixedExecutor(FakeRunner(4, drafts=3))
+    executor = _MixedExecutor(FakeRunner(4, drafts=3), all_barriers)
     core = EngineCore(s, executor, async_scheduling=True)
     got, barriers = Collected(), 0
     for _ in range(500):
