@@ -101,9 +101,16 @@ class SpeculationPolicy:
     # Whether each speculative step's draft count follows measured step costs
     # (SpecDecoder.calibrate); otherwise every step proposes k drafts.
     adapts_drafts = False
+    # Whether a request stops drafting once its own acceptance says its drafts
+    # lose (esurge.spec_decode.request_gate); "always" drafts for every request.
+    gates_requests = False
     # Predicted speculative / plain token rate by batch size, from step costs
     # measured at warm-up (DraftLength.predicted_gain); None before them.
     predict: Callable[[int], float] | None = None
+    # The same for a request whose drafts are accepted at `trial_rate` per
+    # position (SpecDecoder.calibrate sets both).
+    predict_trial: Callable[[int], float] | None = None
+    trial_rate = 0.8
 
     def speculate(self, batch: int, measurable: bool = True) -> bool:
         """True when a step of `batch` requests should draft (and verify).
@@ -153,10 +160,12 @@ class AdaptiveSpeculation(SpeculationPolicy):
 
     drafts_seeded_samples = False
     adapts_drafts = True
+    gates_requests = True
 
     def __init__(self, min_samples: int = 12, refresh: int = 256, remeasure: int = 8,
                  margin: float = 1.05, margin_per_doubling: float = 0.075,
-                 settle: int = 16, explore_above: float = 1.0, window: int = 512) -> None:
+                 settle: int = 16, explore_above: float = 1.0, window: int = 512,
+                 floor: float = 0.97) -> None:
         if min(min_samples, refresh, remeasure) < 1 or settle < 0:
             raise ValueError(f"min_samples, refresh and remeasure must be >= 1 and settle "
                              f">= 0, got {min_samples!r}, {refresh!r}, {remeasure!r}, "
@@ -168,6 +177,9 @@ class AdaptiveSpeculation(SpeculationPolicy):
         if margin < 1.0 or margin_per_doubling < 0:
             raise ValueError(f"margin must be >= 1 and margin_per_doubling >= 0, got "
                              f"{margin!r}, {margin_per_doubling!r}")
+        if not 0 < floor <= margin:
+            raise ValueError(f"floor must be in (0, margin], got {floor!r}")
+        self.floor = floor
         self.margin = margin
         self.margin_per_doubling = margin_per_doubling
         self.settle = settle
@@ -185,6 +197,8 @@ class AdaptiveSpeculation(SpeculationPolicy):
     def speculate(self, batch: int, measurable: bool = True) -> bool:
         if batch <= 0:
             return False
+        if self.predict_trial is not None:
+            return self._by_costs(batch, self.predict_trial)
         verdict = self._measured(batch)
         if verdict is False and self._remeasuring(batch):
             # Also a step that cannot be measured: a new request's prompt must
@@ -215,6 +229,28 @@ class AdaptiveSpeculation(SpeculationPolicy):
             return False
         return spec is None or spec.samples < self.min_samples
 
+    def _by_costs(self, batch: int, predict_trial: Callable[[int], float]) -> bool:
+        """With step costs measured and requests gated one by one (`gates_requests`).
+
+        Where a request accepting `trial_rate` of its drafts would not gain by
+        the margin (the step costs: on SmolLM2 on a 2-core CPU, any batch of 4
+        or more), nobody drafts. Elsewhere every request tries and the gate
+        stops the drafts of each one they do not pay for, which spends a few
+        of its steps: the token rates of the two modes are compared only to
+        stop trials that lose outright (speculative steps, trials included,
+        below `floor` times plain ones), and are then measured again as above.
+        A verdict from the rates alone stopped SmolLM2's trials at batch 1
+        after two hard chats (123 against 117 tok/s, short of the margin) and
+        kept them off for the easy ones after (170-200 tok/s drafting).
+        """
+        if predict_trial(batch) < self.margin_at(batch):
+            return False
+        spec, plain = self.rates.get((True, batch)), self.rates.get((False, batch))
+        if (spec is None or plain is None or spec.samples < self.min_samples
+                or not plain.samples or spec.tokens_per_s >= self.floor * plain.tokens_per_s):
+            return True
+        return self._remeasuring(batch)
+
     def _remeasuring(self, batch: int) -> bool:
         """Whether speculation, measured losing at this batch size, is being
         measured again; starts a re-measurement when one is due. Its rate moves
@@ -232,7 +268,12 @@ class AdaptiveSpeculation(SpeculationPolicy):
     def _measured(self, batch: int) -> bool | None:
         """Whether speculation beat plain decoding at this batch size (None: not both measured)."""
         spec, plain = self.rates.get((True, batch)), self.rates.get((False, batch))
-        if spec is None or plain is None or not spec.samples or not plain.samples:
+        # Speculation's few first steps decide nothing: plain steps are measured
+        # without a trial where requests stopped drafting on their own (the
+        # request gate), and 4 speculative steps of one request turned
+        # speculation off for the next ones.
+        if (spec is None or plain is None or spec.samples < self.min_samples
+                or not plain.samples):
             return None
         return spec.tokens_per_s >= self.margin_at(batch) * plain.tokens_per_s
 

@@ -68,6 +68,7 @@ from esurge.spec_decode.proposer import (
     propose,
     propose_first,
 )
+from esurge.spec_decode.request_gate import RequestGate
 from esurge.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["SpecDecoder", "SpecStep"]
@@ -144,8 +145,10 @@ class SpecDecoder:
         # (calibrate); until then every proposal has k drafts.
         self.lengths: DraftLength | None = None
         self.prior = head_acceptance_prior(Path(spec.speculative_model), self.num_spec)
-        # Requests that ran a plain step: the head never saw those tokens.
+        # Requests that ran a plain step (the head never saw those tokens), or
+        # whose drafts the gate stopped.
         self.unsynced: set[str] = set()
+        self.gate = RequestGate()
         self._last_collected: float | None = None
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
@@ -156,12 +159,25 @@ class SpecDecoder:
         policy also stops exploring speculation where they say it loses)."""
         if costs is None or costs.k != self.num_spec:
             return
-        self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
-        self.policy.predict = self.lengths.predicted_gain
+        lengths = self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
+        self.policy.predict = lengths.predicted_gain
+        if self.policy.gates_requests:
+            trial = (Acceptance(self.num_spec, prior=self.policy.trial_rate),)
+            self.policy.predict_trial = lambda batch: lengths.predicted_gain(batch, trial)
 
-    def drafts_for(self, batch: int) -> int:
-        """How many drafts to propose for a step of `batch` requests."""
-        return self.num_spec if self.lengths is None else self.lengths.best(batch)
+    def drafts_for(self, req_ids: Sequence[str]) -> int:
+        """How many drafts to propose for a step of these requests: by their own
+        acceptance where the policy gates requests (a request alone drafts as
+        many as its own acceptance pays for: one where the engine-wide
+        estimate said one, SmolLM2's easier chats accept 3 to 4)."""
+        lengths = self.lengths
+        if lengths is None:
+            return self.num_spec
+        if not self.policy.gates_requests:
+            return lengths.best(len(req_ids))
+        own = [self.gate.acceptance_of(r) or lengths.acceptance for r in req_ids
+               if r not in self.unsynced]
+        return lengths.best(len(req_ids), own)
 
     def admit(self, new: NewRequestData) -> None:
         """A request entering the batch: one the policy keeps from drafting (a
@@ -201,13 +217,16 @@ class SpecDecoder:
         tokens = sum(len(ids) for ids in out.sampled_token_ids)
         seconds = step_cost(started, now, last)
         self.policy.observe(speculative, len(inputs.req_ids), tokens, seconds)
-        if (speculative and self.lengths is not None and len(drafts)
+        if self.lengths is not None and not speculative:
+            self.lengths.observe(len(inputs.req_ids), 0, seconds)
+        elif (self.lengths is not None and len(drafts)
                 and drafts.min() == drafts.max() > 0):
             self.lengths.observe(len(inputs.req_ids), int(drafts[0]), seconds)
 
     def release(self, req_ids: set[str]) -> None:
         """Free the slots (drafts and their distributions) of requests that left the batch."""
         self.unsynced.difference_update(req_ids)
+        self.gate.release(req_ids)
         self.slots.release(req_ids)
 
     def run(self, model_state: ModelState, kv_cache: KVCache, ib: InputBatch,
@@ -264,7 +283,7 @@ class SpecDecoder:
         # Without a request to draft for (prefill chunks only), the pass that writes
         # the draft's cache for this step's tokens is all that is needed.
         drafting = always_draft or bool(eligible.any())
-        count = proposals if proposals is not None else self.drafts_for(len(inputs.req_ids))
+        count = proposals if proposals is not None else self.drafts_for(inputs.req_ids)
         new_drafts, probs, self.cache = propose(
             self.head, self.cache, model_state.shell_state(), draft_batch, target.features,
             verified.token_ids, verified.num_out, verified.draft_noise,
@@ -368,12 +387,28 @@ class SpecDecoder:
             if nd:
                 verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
                 outcomes.append((nd, n - 1))
+                if not self._still_drafts(req_id, nd, n - 1, len(inputs.req_ids)):
+                    proposals.append([])  # from the next step on it decodes plainly
+                    continue
             proposals.append(self._proposed(ib, inputs, i, n, step, drafts)
                              if step.propose[i] and drafts is not None else [])
         self.stats.record(verifications, drafted, accepted)
         if self.lengths is not None and outcomes:
             self.lengths.acceptance.record(outcomes)
         return emitted, proposals
+
+    def _still_drafts(self, req_id: str, drafts: int, accepted: int, batch: int) -> bool:
+        """Records a verification with the gate (where the policy gates requests);
+        False once the request's drafts stop paying, which stops them for good."""
+        lengths = self.lengths
+        if not self.policy.gates_requests or lengths is None:
+            return True
+        self.gate.record(req_id, drafts, accepted, lengths)
+        if self.gate.pays(req_id, batch, lengths):
+            return True
+        self.unsynced.add(req_id)
+        self.gate.release((req_id,))
+        return False
 
     def _proposed(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
                   step: SpecStep, drafts: ReadOnce) -> Sequence[int]:

@@ -86,6 +86,10 @@ class SpeculativeStep:
         if step.first is not None and speculating:
             proposals = masked_proposals(self.spec, self.runner.model.model_state, ib, inputs,
                                          step, emitted, grammars)
+            # Drawn for every request that was eligible at dispatch: not for one
+            # whose drafts the gate stopped in `finish`.
+            proposals = [[] if rid in self.spec.unsynced else p
+                         for rid, p in zip(inputs.req_ids, proposals, strict=True)]
         if not speculating:
             proposals = [[] for _ in proposals]  # the next step runs plain
         for i, req_id in enumerate(inputs.req_ids):

@@ -68,7 +68,7 @@ def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
     prefixes: list[list[int] | None] = [[] if step.propose[i] else None for i in range(n)]
     proposals: list[list[int]] = [[] for _ in range(n)]
     draw, carry, probs = _Drawer(spec, model_state, step, batch), step.first, []
-    for position in range(spec.drafts_for(n)):
+    for position in range(spec.drafts_for(inputs.req_ids)):
         masks, ok = grammars.prefix_masks(inputs.req_ids, prefixes, bucket)
         for i, prefix in enumerate(prefixes):
             if prefix is not None and not ok[i]:

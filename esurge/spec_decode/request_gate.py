@@ -1,0 +1,72 @@
+"""Which requests keep drafting: each one's own acceptance against the step costs.
+
+How often a head's drafts are accepted is mostly a property of the request
+(SmolLM2's head on held-out chats: 1.5 to 4.2 tokens a verification), so a
+verdict for a whole batch size either keeps drafting for requests it does
+not pay for or stops it for those it does. The gate follows each drafting
+request's own acceptance per draft position (`Acceptance`, shrunk towards
+the engine-wide estimate) and, once it has seen `min_verifications` of the
+request's verifications, stops its drafts when no draft count's expected
+tokens per second at the step's batch size (the warm-up step costs plus the
+overhead measured since, `DraftLength`) reaches `margin` times a plain
+step's. A stopped request decodes plainly from then on: after a plain step
+the head's cache no longer follows it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from esurge.spec_decode.draft_length import Acceptance, DraftLength
+
+__all__ = ["RequestGate"]
+
+
+@dataclass(slots=True)
+class RequestGate:
+    """Per-request acceptance, and whether drafting still pays for a request."""
+
+    min_verifications: int = 8
+    margin: float = 1.0
+    prior_weight: float = 4.0
+    # Each drafting request's acceptance; with no decay, position 1's count is
+    # its verifications so far.
+    _seen: dict[str, Acceptance] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.min_verifications < 1:
+            raise ValueError(f"min_verifications must be >= 1, got {self.min_verifications!r}")
+        if self.margin <= 0 or self.prior_weight <= 0:
+            raise ValueError(f"margin and prior_weight must be > 0, got {self.margin!r}, "
+                             f"{self.prior_weight!r}")
+
+    def record(self, req_id: str, drafts: int, accepted: int, lengths: DraftLength) -> None:
+        """One verification of `drafts` drafts of which the first `accepted` matched."""
+        own = self._seen.get(req_id)
+        if own is None:
+            # The engine-wide estimate for the first position, when the request
+            # starts: the request's own verifications then move it.
+            own = self._seen[req_id] = Acceptance(lengths.k, prior=lengths.acceptance.rate(1),
+                                                  prior_weight=self.prior_weight, decay=1.0)
+        own.record([(drafts, accepted)])
+
+    def acceptance_of(self, req_id: str) -> Acceptance | None:
+        """The request's own acceptance, None before its first verification."""
+        return self._seen.get(req_id)
+
+    def pays(self, req_id: str, batch: int, lengths: DraftLength) -> bool:
+        """False once the request's own acceptance says its drafts lose at this batch size."""
+        own = self._seen.get(req_id)
+        if own is None or own.reached[0] < self.min_verifications:
+            return True
+        plain = 1.0 / max(lengths.costs.plain(batch), 1e-9)
+        best = max(own.expected_tokens(d)
+                   / max(lengths.costs.speculative(batch, d) + lengths.overhead, 1e-9)
+                   for d in range(1, lengths.k + 1))
+        return best >= self.margin * plain
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        """Forget requests that left the batch."""
+        for req_id in req_ids:
+            self._seen.pop(req_id, None)

@@ -1,0 +1,144 @@
+"""Requests stop drafting on their own acceptance; the adaptive policy lets every
+request try where a request that drafts well would gain, and nowhere else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from esurge.spec_decode.draft_length import Acceptance, DraftLength
+from esurge.spec_decode.policy import AdaptiveSpeculation
+from esurge.spec_decode.request_gate import RequestGate
+from tests.spec_decode.test_draft_length import _costs
+
+
+def _lengths(prior: float = 0.6) -> DraftLength:
+    # A plain step of 1 request costs 1.0, a step with one draft 1.3, with four 2.2.
+    return DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4, prior=prior))
+
+
+def test_a_request_whose_drafts_are_refused_stops_after_min_verifications() -> None:
+    lengths, gate = _lengths(), RequestGate(min_verifications=10)
+    for _ in range(10):
+        assert gate.pays("bad", 1, lengths)  # too few verifications to judge
+        gate.record("bad", 4, 0, lengths)
+        gate.record("good", 4, 4, lengths)
+    # Its first drafts' acceptance shrinks from the engine's 0.6 to 0.17:
+    # 1.17 tokens a step for 1.3 seconds, against a plain step's 1 for 1.
+    assert not gate.pays("bad", 1, lengths)
+    assert gate.pays("good", 1, lengths)
+    own = gate.acceptance_of("good")
+    assert own is not None and own.expected_tokens(4) > 4.0
+    gate.release(["bad", "good"])
+    assert gate.acceptance_of("good") is None and gate.pays("bad", 1, lengths)
+
+
+def test_the_gate_weighs_a_request_against_the_batch_sizes_costs() -> None:
+    # Half its drafts accepted: pays alone, not at 8 requests, where each extra
+    # row costs a fifth of a plain step.
+    lengths = DraftLength(_costs(1.0, 0.2, 0.05), Acceptance(4, prior=0.5))
+    gate = RequestGate(min_verifications=4)
+    for accepted in (1, 0) * 4:
+        gate.record("r", 1, accepted, lengths)
+    assert gate.pays("r", 1, lengths) and not gate.pays("r", 8, lengths)
+
+
+@pytest.mark.parametrize("kwargs", [{"min_verifications": 0}, {"margin": 0.0},
+                                    {"prior_weight": -1.0}])
+def test_bad_gate_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        RequestGate(**kwargs)  # type: ignore[arg-type]
+
+
+def test_both_modes_learn_what_their_measured_parts_miss() -> None:
+    lengths = _lengths()
+    plain_rate = lengths.rate(1, 0)
+    for _ in range(200):
+        lengths.observe(1, 0, lengths.costs.plain(1) + 0.5)
+    assert lengths.plain_overhead == pytest.approx(0.5, rel=1e-3) and lengths.overhead == 0.0
+    assert lengths.rate(1, 0) == pytest.approx(plain_rate / 1.5)
+
+
+def test_the_draft_count_follows_the_requests_own_acceptance() -> None:
+    lengths = DraftLength(_costs(1.0, 0.3, 0.05), Acceptance(4, prior=0.3))
+    assert lengths.best(1) == 1  # the engine-wide estimate: one draft
+    easy = Acceptance(4, prior=0.95)
+    assert lengths.best(1, [easy]) == 4
+    assert lengths.predicted_gain(1, [easy]) > lengths.predicted_gain(1)
+
+
+def _gated_policy(trial_gain: float) -> AdaptiveSpeculation:
+    policy = AdaptiveSpeculation(min_samples=2, settle=0, refresh=6, remeasure=1,
+                                 margin=1.05, margin_per_doubling=0.0)
+    policy.predict_trial = lambda batch: trial_gain if batch == 1 else 0.8
+    return policy
+
+
+def test_requests_try_only_where_a_good_request_would_gain() -> None:
+    policy = _gated_policy(1.3)
+    assert policy.speculate(1) and policy.speculate(1, measurable=False)
+    assert not policy.speculate(4) and not policy.speculate(4, measurable=False)
+    assert not _gated_policy(1.0).speculate(1)  # short of the margin
+
+
+def test_rates_stop_trials_only_when_they_lose_outright() -> None:
+    policy = _gated_policy(1.3)
+    for _ in range(3):
+        policy.observe(True, 1, 10, 1.0)  # trials and drafting requests: 10 tok/s
+        policy.observe(False, 1, 10, 1.0)  # requests the gate stopped: 10 tok/s
+    assert policy.speculate(1)  # level: short of the margin, above the floor
+    for _ in range(3):
+        policy.observe(False, 1, 40, 1.0)
+    assert not policy.speculate(1)  # speculative steps below 0.97x plain ones
+    policy.observe(False, 1, 40, 1.0)
+    policy.observe(False, 1, 40, 1.0)  # the sixth plain step since: measured again
+    assert policy.speculate(1)
+    policy.observe(True, 1, 1, 1.0)
+    assert not policy.speculate(1)
+
+
+def test_a_verdict_needs_min_samples_speculative_steps() -> None:
+    policy = AdaptiveSpeculation(min_samples=3, settle=0, margin_per_doubling=0.0)
+    policy.observe(True, 1, 1, 1.0)
+    for _ in range(5):
+        policy.observe(False, 1, 10, 1.0)  # plain steps of requests that stopped drafting
+    assert policy.speculate(1)  # one speculative step decides nothing yet
+    for _ in range(2):
+        policy.observe(True, 1, 1, 1.0)
+    assert not policy.speculate(1)
+
+
+def test_a_floor_above_the_margin_is_refused() -> None:
+    with pytest.raises(ValueError, match="floor"):
+        AdaptiveSpeculation(margin=1.0, floor=1.1)
+
+
+def test_requests_of_a_head_that_guesses_badly_stop_drafting_in_the_engine(
+        bigram_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    from esurge import eSurge
+    from esurge.spec_decode.config import EagleLayout
+    from tests.spec_decode.helpers import bigram_next_probs, random_head, spec_config
+    from tests.spec_decode.test_bigram_engine import greedy, greedy_chain
+
+    target = bigram_dirs[0]
+    head = random_head(target, tmp_path / "head", EagleLayout.EAGLE1, seed=5)
+    probs = bigram_next_probs(target)
+    config = spec_config(3, head, max_num_seqs=32, batched_tokens=64, async_=True)
+    # The shared engines' shapes: every program is already compiled.
+    with eSurge(target, config, show_progress=False, warmup=False, min_token_bucket=32) as llm:
+        spec = llm.runner.spec
+        assert spec is not None and spec.policy.gates_requests
+        # Costs in seconds, far above the real steps' (no overhead is learnt): a
+        # request accepting 80% of its drafts would gain 1.5x alone, one that
+        # accepts none loses.
+        spec.calibrate(_costs(1.0, 0.1, 0.2, k=3))
+        outs = [llm.generate([p], greedy(60))[0].outputs[0]
+                for p in ([3, 1, 4], [2, 7, 1], [5, 9, 2])]
+        assert spec.unsynced == set()  # released with the requests
+    for p, out in zip(([3, 1, 4], [2, 7, 1], [5, 9, 2]), outs, strict=True):
+        assert out.token_ids == greedy_chain(probs, p, 60)
+        # Each tried (the policy lets every request start at batch 1) and stopped
+        # after the gate's 8 verifications of at most 3 drafts.
+        assert 0 < out.num_draft_tokens <= 8 * 3
+        assert out.num_accepted_tokens < out.num_draft_tokens
