@@ -47,6 +47,7 @@ from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.speculative.draft_inputs import draft_inputs, scheduled_drafts
 from esurge.runner.steps.speculative.draft_slots import DraftSlots, ReadOnce
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
@@ -167,9 +168,9 @@ class SpecDecoder:
 
     def drafts_for(self, req_ids: Sequence[str]) -> int:
         """How many drafts to propose for a step of these requests: by their own
-        acceptance where the policy gates requests (a request alone drafts as
-        many as its own acceptance pays for: one where the engine-wide
-        estimate said one, SmolLM2's easier chats accept 3 to 4)."""
+        acceptance where the policy gates requests, else the engine-wide one
+        (after a few hard chats that said one draft, where SmolLM2's easy
+        chats then accepted 3 to 4 of 4)."""
         lengths = self.lengths
         if lengths is None:
             return self.num_spec
@@ -261,7 +262,7 @@ class SpecDecoder:
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
                               self.slots.buffer, draft_slots, variant, self.draft_vocab,
                               np.int32(real * (1 + self.num_spec)))
-        draft_batch, eligible = self._draft_batch(ib, inputs, tensors)
+        draft_batch, eligible = draft_inputs(ib, inputs, tensors, self.group, self.unsynced)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
 
     def proposal(self, model_state: ModelState, ib: InputBatch, inputs: StepInputs,
@@ -307,56 +308,7 @@ class SpecDecoder:
     def scheduled_drafts(self, ib: InputBatch, inputs: StepInputs
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(drafts [R, k], their counts [R], draft-probability slots [R]) to verify."""
-        r_bucket, k = inputs.num_reqs_bucket, self.num_spec
-        drafts = np.zeros((r_bucket, k), np.int32)
-        num_drafts = np.zeros(r_bucket, np.int32)
-        prob_slots = np.full(r_bucket, self.slots.sink, np.int32)
-        on_device = inputs.draft_slots
-        for i in np.flatnonzero(inputs.num_drafts).tolist():
-            nd = int(inputs.num_drafts[i])
-            num_drafts[i] = nd
-            prob_slots[i] = self.slots.slot_or_sink(inputs.req_ids[i])
-            if on_device is not None and on_device[i] >= 0:
-                continue  # verification reads them from the draft buffer
-            row, start = int(inputs.rows[i]), int(inputs.seq_lens[i]) - nd
-            drafts[i, :nd] = ib.token_ids[row, start:start + nd]
-        return drafts, num_drafts, prob_slots
-
-    def _draft_batch(self, ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors
-                     ) -> tuple[DraftBatch, np.ndarray]:
-        batch, total = inputs.batch, inputs.num_tokens
-        num_reqs, r_bucket = len(inputs.req_ids), inputs.num_reqs_bucket
-        t_bucket = len(batch.input_ids)
-        positions = np.asarray(batch.positions[:total], np.int64)
-        token_req = np.asarray(batch.token_req[:total], np.int64)
-        rows = inputs.rows[token_req]
-        following = positions + 1
-        known = following < ib.num_known[rows]
-        next_ids = np.zeros(t_bucket, np.int32)
-        next_ids[:total][known] = ib.token_ids[rows[known], following[known]]
-        ends = np.asarray(batch.query_start_loc[1:num_reqs + 1], np.int64)
-        first_row = np.zeros(r_bucket, np.int32)
-        first_row[:num_reqs] = ends - 1 - inputs.num_drafts
-        offset = np.arange(total) - first_row[token_req]
-        emitted = inputs.samples[token_req] & (offset >= 0)
-        next_slot = np.full(t_bucket, -1, np.int32)
-        next_slot[:total][emitted] = offset[emitted]
-        dense = np.fromiter((ib.sampling.dense[r] is not None for r in inputs.rows.tolist()),
-                            bool, num_reqs)
-        unsynced = np.fromiter((r in self.unsynced for r in inputs.req_ids), bool, num_reqs)
-        eligible = inputs.samples & ~dense & ~unsynced
-        propose_mask = np.zeros(r_bucket, bool)
-        propose_mask[:num_reqs] = eligible
-        g = self.group
-        draft_batch = DraftBatch(
-            positions=batch.positions, token_req=batch.token_req,
-            slot_mapping=batch.slot_mapping[g], page_tables=batch.page_tables[g],
-            # The batch's real rows (the step's tokens; more in calibrate's timing steps).
-            num_tokens=np.int32(batch.query_start_loc[-1]), next_ids=next_ids,
-            next_slot=next_slot,
-            first_row=first_row, propose=propose_mask,
-            temperature=np.asarray(tensors.temperature, np.float32))
-        return draft_batch, eligible
+        return scheduled_drafts(ib, inputs, self.num_spec, self.slots)
 
     def finish(self, ib: InputBatch, inputs: StepInputs, step: SpecStep
                ) -> tuple[list[list[int]], list[Sequence[int]]]:

@@ -1,0 +1,74 @@
+"""A speculative step's host-side inputs: the drafts it verifies and the
+proposer's arrays, aligned with the target step's (T, R) bucket."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from esurge.runner.input_batch import InputBatch
+from esurge.runner.sampler import SamplingTensors
+from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.speculative.draft_slots import DraftSlots
+from esurge.spec_decode.proposer import DraftBatch
+
+__all__ = ["draft_inputs", "scheduled_drafts"]
+
+
+def scheduled_drafts(ib: InputBatch, inputs: StepInputs, k: int, slots: DraftSlots
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(drafts [R, k], their counts [R], draft-probability slots [R]) to verify:
+    the ids of drafts that are not on the device come from the batch's tokens."""
+    r_bucket = inputs.num_reqs_bucket
+    drafts = np.zeros((r_bucket, k), np.int32)
+    num_drafts = np.zeros(r_bucket, np.int32)
+    prob_slots = np.full(r_bucket, slots.sink, np.int32)
+    on_device = inputs.draft_slots
+    for i in np.flatnonzero(inputs.num_drafts).tolist():
+        nd = int(inputs.num_drafts[i])
+        num_drafts[i] = nd
+        prob_slots[i] = slots.slot_or_sink(inputs.req_ids[i])
+        if on_device is not None and on_device[i] >= 0:
+            continue  # verification reads them from the draft buffer
+        row, start = int(inputs.rows[i]), int(inputs.seq_lens[i]) - nd
+        drafts[i, :nd] = ib.token_ids[row, start:start + nd]
+    return drafts, num_drafts, prob_slots
+
+
+def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, group: int,
+                 unsynced_ids: set[str]) -> tuple[DraftBatch, np.ndarray]:
+    """The proposer's host arrays for this step (`DraftBatch`), and which
+    requests may draft ([num_reqs] bool): not those with per-token sampling
+    state (dense), nor those whose drafts stopped (`unsynced_ids`)."""
+    batch, total = inputs.batch, inputs.num_tokens
+    num_reqs, r_bucket = len(inputs.req_ids), inputs.num_reqs_bucket
+    t_bucket = len(batch.input_ids)
+    positions = np.asarray(batch.positions[:total], np.int64)
+    token_req = np.asarray(batch.token_req[:total], np.int64)
+    rows = inputs.rows[token_req]
+    following = positions + 1
+    known = following < ib.num_known[rows]
+    next_ids = np.zeros(t_bucket, np.int32)
+    next_ids[:total][known] = ib.token_ids[rows[known], following[known]]
+    ends = np.asarray(batch.query_start_loc[1:num_reqs + 1], np.int64)
+    first_row = np.zeros(r_bucket, np.int32)
+    first_row[:num_reqs] = ends - 1 - inputs.num_drafts
+    offset = np.arange(total) - first_row[token_req]
+    emitted = inputs.samples[token_req] & (offset >= 0)
+    next_slot = np.full(t_bucket, -1, np.int32)
+    next_slot[:total][emitted] = offset[emitted]
+    dense = np.fromiter((ib.sampling.dense[r] is not None for r in inputs.rows.tolist()),
+                        bool, num_reqs)
+    unsynced = np.fromiter((r in unsynced_ids for r in inputs.req_ids), bool, num_reqs)
+    eligible = inputs.samples & ~dense & ~unsynced
+    propose_mask = np.zeros(r_bucket, bool)
+    propose_mask[:num_reqs] = eligible
+    g = group
+    draft_batch = DraftBatch(
+        positions=batch.positions, token_req=batch.token_req,
+        slot_mapping=batch.slot_mapping[g], page_tables=batch.page_tables[g],
+        # The batch's real rows (the step's tokens; more in calibrate's timing steps).
+        num_tokens=np.int32(batch.query_start_loc[-1]), next_ids=next_ids,
+        next_slot=next_slot,
+        first_row=first_row, propose=propose_mask,
+        temperature=np.asarray(tensors.temperature, np.float32))
+    return draft_batch, eligible
