@@ -143,7 +143,7 @@ class eSurge:
         self._check_config(self.config)
         link = None
         if parallel.is_multihost:
-            check_multihost_config(self.config)
+            check_multihost_config(self.config, self.settings)
             link = connect_followers(model_path, self.config, self.settings)
         self.tokenizer, self.chat_template = _load_tokenizer(
             self.model, Path(tokenizer_dir) if tokenizer_dir else None)

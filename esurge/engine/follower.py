@@ -40,7 +40,7 @@ def run_follower(model_dir: str | Path, config: Config | None, settings: EngineS
     model = load_model(model_path, settings.dtype,
                        tensor_parallel_size=parallel.tensor_parallel_size)
     config = config if config is not None else default_config(model)
-    check_multihost_config(config)
+    check_multihost_config(config, settings)
     # Before warm-up: the leader warms up once every follower has joined.
     link = connect_leader(model_path, config, settings)
     runner = eSurgeRunner(model, config, settings)

@@ -129,3 +129,26 @@ def test_the_leaders_own_close_is_no_failure() -> None:
     follower.close()
     time.sleep(0.3)
     assert told == [] and leader.failure is None
+
+
+@pytest.mark.parametrize(("speculation", "spec", "pages", "field"), [
+    ("adaptive", True, 8, "speculation"),  # each host would decide by its own timings
+    ("always", True, 8, None),
+    ("adaptive", False, 8, None),
+    ("always", True, None, "num_pages"),
+])
+def test_multihost_configs_every_host_builds_and_decides_alike(
+        speculation: str, spec: bool, pages: int | None, field: str | None) -> None:
+    from esurge.config import SpeculativeConfig
+    from esurge.engine.multihost.lockstep import check_multihost_config
+
+    config = Config(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
+                    CacheConfig(num_pages=pages, page_size=8, enable_prefix_caching=False),
+                    SpeculativeConfig(4, "models/tiny-stdlib-eagle") if spec else None)
+    settings = EngineSettings(speculation=speculation)
+    if field is None:
+        check_multihost_config(config, settings)
+        return
+    with pytest.raises(InvalidConfigError) as err:
+        check_multihost_config(config, settings)
+    assert err.value.field == field

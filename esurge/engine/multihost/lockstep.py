@@ -38,12 +38,19 @@ def step_digest(out: ModelRunnerOutput) -> str:
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def check_multihost_config(config: Config) -> None:
-    """Refuse what every host could not build alike: a pool sized from each host's
-    own free memory."""
+def check_multihost_config(config: Config, settings: EngineSettings) -> None:
+    """Refuse what every host could not build or decide alike: a pool sized from
+    each host's own free memory, and speculation chosen by each host's timings."""
     if config.cache_config.num_pages is None:
         raise InvalidConfigError("num_pages", "multi-host serving needs num_pages set: a pool "
                                  "sized from free memory could differ between hosts")
+    spec = config.speculative_config
+    if spec is not None and spec.use_eagle() and settings.speculation != "always":
+        # Each host would draft or not by its own step costs and timings, and
+        # the hosts' steps would part (the digests differ: the job ends).
+        raise InvalidConfigError("speculation", f"multi-host serving with a draft head needs "
+                                 f"speculation='always', got {settings.speculation!r}: the "
+                                 f"adaptive policy decides from each host's own timings")
 
 
 def connect_followers(model_path: Path, config: Config, settings: EngineSettings
