@@ -32,9 +32,12 @@ Both engines schedule asynchronously by default (as eSurge(model_dir) does):
 the Eagle engine's plain steps overlap; each speculative one is read back
 before the next is scheduled, which then runs while the loop processes the
 outputs.
---speculation adaptive (the engine's default) lets the Eagle engine draft only
-at batch sizes where it measured speculation paying (it learns during the
-untimed pass of each batch size); always drafts on every step.
+--speculation adaptive (the engine's default) lets each request of the Eagle
+engine try drafting where the measured step costs say a request whose drafts
+are mostly accepted would gain, and stops the drafts of each one whose own
+acceptance says they do not pay (esurge/spec_decode/request_gate.py); always
+drafts on every step. bench/spec_policies.py compares the policies in one
+engine over many more prompts.
 """
 
 from __future__ import annotations
