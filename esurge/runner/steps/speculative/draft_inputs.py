@@ -62,10 +62,9 @@ def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, g
     eligible = inputs.samples & ~dense & ~unsynced
     propose_mask = np.zeros(r_bucket, bool)
     propose_mask[:num_reqs] = eligible
-    g = group
     draft_batch = DraftBatch(
         positions=batch.positions, token_req=batch.token_req,
-        slot_mapping=batch.slot_mapping[g], page_tables=batch.page_tables[g],
+        slot_mapping=batch.slot_mapping[group], page_tables=batch.page_tables[group],
         # The batch's real rows (the step's tokens; more in calibrate's timing steps).
         num_tokens=np.int32(batch.query_start_loc[-1]), next_ids=next_ids,
         next_slot=next_slot,
