@@ -78,3 +78,29 @@ def test_sampled_drafts_under_masks_keep_outputs_valid(engine: Any) -> None:
     stopped = [o.text for o in outs if str(o.finish_reason) == "stop"]
     assert stopped, [str(o.finish_reason) for o in outs]
     assert all(validates_json(schema, text) for text in stopped), stopped
+
+
+def test_a_constrained_request_the_gate_stops_takes_no_more_masked_drafts(engine: Any) -> None:
+    from esurge.spec_decode.policy import AdaptiveSpeculation
+    from esurge.spec_decode.request_gate import RequestGate
+    from tests.spec_decode.test_draft_length import _costs
+
+    spec = engine.runner.spec
+    saved = spec.policy, spec.gate, spec.lengths
+    try:
+        # Trials everywhere (cheap drafting costs), and a gate that stops every
+        # request after its first verification.
+        spec.policy = AdaptiveSpeculation(settle=0)
+        spec.gate = RequestGate(min_verifications=1, margin=1e6)
+        spec.calibrate(_costs(1.0, 0.01, 0.01, k=3))
+        forced = SamplingParams(temperature=0.0, max_tokens=60,
+                                structured_outputs=StructuredOutputsParams(choice=(SENTENCE,)))
+        before = engine.stats.spec
+        out = engine.generate(["import os\n"], forced)[0].outputs[0]
+        after = engine.stats.spec
+    finally:
+        spec.policy, spec.gate, spec.lengths = saved
+    assert out.text == SENTENCE and str(out.finish_reason) == "stop"
+    # One verification of at most 3 masked drafts, then plain decoding: the
+    # masked proposer's drafts for the stopped request are dropped.
+    assert 0 < after.num_draft_tokens - before.num_draft_tokens <= 3
