@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,13 +168,22 @@ class DraftLength:
     same of a plain step (the loop's host work, the sampled token's read),
     each learnt online from the steps' measured costs (`observe`): on SmolLM2
     at batch 1 a plain step took 8.0 ms where warm-up measured 6.9, and without
-    the difference every prediction favoured plain steps by some 15%."""
+    the difference every prediction favoured plain steps by some 15%. Each is
+    the median of the mode's last `window` excesses: where the costs decide
+    whether requests try drafting at all, a few slow steps (a collector's
+    pause, a busy neighbour) must not move it, or trials would stop, and with
+    no speculative step left to measure, never resume."""
 
     costs: StepCosts
     acceptance: Acceptance
     overhead: float = 0.0
     plain_overhead: float = 0.0
-    smoothing: float = 0.1
+    window: int = 33
+    _excess: dict[bool, deque[float]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window!r}")
 
     @property
     def k(self) -> int:
@@ -204,12 +215,14 @@ class DraftLength:
         that mode's overhead towards what the parts do not explain."""
         if batch < 1 or drafts < 0 or seconds <= 0:
             return
-        if drafts == 0:
-            excess = seconds - self.costs.plain(batch)
-            self.plain_overhead += self.smoothing * (max(excess, 0.0) - self.plain_overhead)
-            return
-        excess = seconds - self.costs.speculative(batch, drafts)
-        self.overhead += self.smoothing * (max(excess, 0.0) - self.overhead)
+        speculative = drafts > 0
+        cost = self.costs.speculative(batch, drafts) if speculative else self.costs.plain(batch)
+        recent = self._excess.setdefault(speculative, deque(maxlen=self.window))
+        recent.append(max(seconds - cost, 0.0))
+        if speculative:
+            self.overhead = statistics.median(recent)
+        else:
+            self.plain_overhead = statistics.median(recent)
 
 
 def chain_rate(mean_length: float, k: int) -> float:

@@ -142,3 +142,18 @@ def test_requests_of_a_head_that_guesses_badly_stop_drafting_in_the_engine(
         # after the gate's 8 verifications of at most 3 drafts.
         assert 0 < out.num_draft_tokens <= 8 * 3
         assert out.num_accepted_tokens < out.num_draft_tokens
+
+
+def test_a_few_slow_steps_do_not_move_the_overheads() -> None:
+    lengths = _lengths()
+    spec_cost = lengths.costs.speculative(1, 4)
+    for step in range(40):
+        lengths.observe(1, 4, spec_cost + 0.1)
+        if step % 10 == 0:  # a collector's pause now and then
+            lengths.observe(1, 4, spec_cost + 50.0)
+    assert lengths.overhead == pytest.approx(0.1)
+    for _ in range(40):  # a lasting change does
+        lengths.observe(1, 4, spec_cost + 0.3)
+    assert lengths.overhead == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="window"):
+        DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4), window=0)
