@@ -104,11 +104,10 @@ class SpeculationPolicy:
     # Whether a request stops drafting once its own acceptance says its drafts
     # lose (esurge.spec_decode.request_gate); "always" drafts for every request.
     gates_requests = False
-    # Predicted speculative / plain token rate by batch size, from step costs
-    # measured at warm-up (DraftLength.predicted_gain); None before them.
-    predict: Callable[[int], float] | None = None
-    # The same for a request whose drafts are accepted at `trial_rate` per
-    # position (SpecDecoder.calibrate sets both).
+    # Predicted speculative / plain token rate by batch size for a request
+    # whose drafts are accepted at `trial_rate` per position, from the step
+    # costs measured at warm-up (SpecDecoder.calibrate, DraftLength.predicted_gain);
+    # None before them.
     predict_trial: Callable[[int], float] | None = None
     trial_rate = 0.8
 
@@ -139,12 +138,11 @@ class AdaptiveSpeculation(SpeculationPolicy):
     at a batch size and plain decoding none, plain decoding is tried there.
     A batch size measured in neither mode follows its neighbours where they
     decide it: speculation loses from a batch where it lost upward, and wins
-    below a batch where it won; else, once warm-up has measured the step
-    costs (`predict`), speculation is not tried where they predict a rate
-    below `explore_above` times plain decoding's. A step that cannot be
-    measured (it carries prompt chunks: while a batch fills up, every step
-    does) never explores:
+    below a batch where it won. A step that cannot be measured (it carries
+    prompt chunks: while a batch fills up, every step does) never explores:
     it takes the verdict of the nearest batch size measured in both modes.
+    That is the policy without measured step costs; with them (`predict_trial`,
+    once warm-up has run) it decides as `_by_costs` says.
     The first `settle` steps of each mode and batch size are not counted
     (StepRate). Rates are over the last `window` steps of each mode, which
     span many requests: how often a head's drafts are accepted is mostly a
@@ -164,16 +162,13 @@ class AdaptiveSpeculation(SpeculationPolicy):
 
     def __init__(self, min_samples: int = 12, refresh: int = 256, remeasure: int = 8,
                  margin: float = 1.05, margin_per_doubling: float = 0.075,
-                 settle: int = 16, explore_above: float = 1.0, window: int = 512,
-                 floor: float = 0.97) -> None:
+                 settle: int = 16, window: int = 512, floor: float = 0.97) -> None:
         if min(min_samples, refresh, remeasure) < 1 or settle < 0:
             raise ValueError(f"min_samples, refresh and remeasure must be >= 1 and settle "
                              f">= 0, got {min_samples!r}, {refresh!r}, {remeasure!r}, "
                              f"{settle!r}")
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window!r}")
-        if explore_above < 0:
-            raise ValueError(f"explore_above must be >= 0, got {explore_above!r}")
         if margin < 1.0 or margin_per_doubling < 0:
             raise ValueError(f"margin must be >= 1 and margin_per_doubling >= 0, got "
                              f"{margin!r}, {margin_per_doubling!r}")
@@ -188,7 +183,6 @@ class AdaptiveSpeculation(SpeculationPolicy):
         self.refresh = refresh
         self.remeasure = remeasure
         self.rates: dict[tuple[bool, int], StepRate] = {}
-        self.explore_above = explore_above
         # Plain steps per batch size since speculation was last measured there,
         # and speculative steps still owed to a re-measurement.
         self._plain_since: dict[int, int] = {}
@@ -223,10 +217,6 @@ class AdaptiveSpeculation(SpeculationPolicy):
         if above and above[0] is True:
             return True
         spec = self.rates.get((True, batch))
-        if spec is None and self.predict is not None and self.predict(batch) < self.explore_above:
-            # The measured step costs say speculation loses here even with nothing
-            # spent outside its parts: not worth a trial.
-            return False
         return spec is None or spec.samples < self.min_samples
 
     def _by_costs(self, batch: int, predict_trial: Callable[[int], float]) -> bool:

@@ -60,11 +60,7 @@ class RequestGate:
         own = self._seen.get(req_id)
         if own is None or own.reached[0] < self.min_verifications:
             return True
-        plain = 1.0 / max(lengths.costs.plain(batch), 1e-9)
-        best = max(own.expected_tokens(d)
-                   / max(lengths.costs.speculative(batch, d) + lengths.overhead, 1e-9)
-                   for d in range(1, lengths.k + 1))
-        return best >= self.margin * plain
+        return lengths.predicted_gain(batch, (own,)) >= self.margin
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Forget requests that left the batch."""

@@ -1,6 +1,5 @@
 """The draft count follows measured step costs and acceptance: more drafts where a
-step's extra rows are cheap and drafts are accepted, fewer where they are not,
-and speculation is not even tried where the costs say it loses."""
+step's extra rows are cheap and drafts are accepted, fewer where they are not."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from esurge.spec_decode.draft_length import (
     chain_rate,
     head_acceptance_prior,
 )
-from esurge.spec_decode.policy import AdaptiveSpeculation
 
 
 def test_cost_curve_interpolates_and_extrapolates() -> None:
@@ -125,20 +123,3 @@ def test_prior_comes_from_the_heads_recorded_evaluation(tmp_path: Path) -> None:
     (tmp_path / "training_info.json").write_text(
         '{"eval": {"k": 4, "mean_acceptance_length": 3.0}}')
     assert head_acceptance_prior(tmp_path, 4) == pytest.approx(chain_rate(3.0, 4))
-
-
-def test_policy_skips_trials_the_costs_rule_out() -> None:
-    policy = AdaptiveSpeculation(min_samples=1, settle=0)
-    assert policy.speculate(8)  # unmeasured, nothing known: tried
-    policy.predict = lambda batch: 1.5 if batch < 4 else 0.7
-    assert policy.speculate(2)
-    assert not policy.speculate(8)
-    # Measured rates still rule where they exist.
-    policy.observe(True, 8, 40, 1.0)
-    policy.observe(False, 8, 10, 1.0)
-    assert policy.speculate(8)
-
-
-def test_a_negative_exploration_threshold_is_refused() -> None:
-    with pytest.raises(ValueError, match="explore_above"):
-        AdaptiveSpeculation(explore_above=-0.5)

@@ -44,6 +44,18 @@ def test_the_gate_weighs_a_request_against_the_batch_sizes_costs() -> None:
     assert gate.pays("r", 1, lengths) and not gate.pays("r", 8, lengths)
 
 
+def test_the_gate_weighs_what_plain_steps_cost_beyond_their_timing() -> None:
+    lengths, gate = _lengths(), RequestGate(min_verifications=10)
+    for step in range(40):
+        gate.record("r", 1, int(step % 5 == 0), lengths)  # a fifth of its drafts accepted
+    # About 1.2 tokens for 1.3 seconds against a plain step's 1 for 1: stop ...
+    assert not gate.pays("r", 1, lengths)
+    for _ in range(40):
+        lengths.observe(1, 0, lengths.costs.plain(1) + 0.5)
+    # ... unless plain steps really take 1.5.
+    assert gate.pays("r", 1, lengths)
+
+
 @pytest.mark.parametrize("kwargs", [{"min_verifications": 0}, {"margin": 0.0},
                                     {"prior_weight": -1.0}])
 def test_bad_gate_settings_are_refused(kwargs: dict[str, float]) -> None:

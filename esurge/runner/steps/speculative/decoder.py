@@ -156,12 +156,11 @@ class SpecDecoder:
                  self.window)
 
     def calibrate(self, costs: StepCosts | None) -> None:
-        """Choose draft counts from now on by these measured step costs (an adaptive
-        policy also stops exploring speculation where they say it loses)."""
+        """Choose draft counts from now on by these measured step costs (a policy
+        that gates requests also decides by them where requests try drafting)."""
         if costs is None or costs.k != self.num_spec:
             return
         lengths = self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
-        self.policy.predict = lengths.predicted_gain
         if self.policy.gates_requests:
             trial = (Acceptance(self.num_spec, prior=self.policy.trial_rate),)
             self.policy.predict_trial = lambda batch: lengths.predicted_gain(batch, trial)
