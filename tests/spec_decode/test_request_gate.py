@@ -81,8 +81,7 @@ def test_the_draft_count_follows_the_requests_own_acceptance() -> None:
 
 
 def _gated_policy(trial_gain: float) -> AdaptiveSpeculation:
-    policy = AdaptiveSpeculation(min_samples=2, settle=0, refresh=6, remeasure=1,
-                                 margin=1.05, margin_per_doubling=0.0)
+    policy = AdaptiveSpeculation(min_samples=2, settle=0, margin=1.05, margin_per_doubling=0.0)
     policy.predict_trial = lambda batch: trial_gain if batch == 1 else 0.8
     return policy
 
@@ -94,20 +93,12 @@ def test_requests_try_only_where_a_good_request_would_gain() -> None:
     assert not _gated_policy(1.0).speculate(1)  # short of the margin
 
 
-def test_rates_stop_trials_only_when_they_lose_outright() -> None:
+def test_with_step_costs_the_rates_do_not_stop_trials() -> None:
     policy = _gated_policy(1.3)
-    for _ in range(3):
-        policy.observe(True, 1, 10, 1.0)  # trials and drafting requests: 10 tok/s
-        policy.observe(False, 1, 10, 1.0)  # requests the gate stopped: 10 tok/s
-    assert policy.speculate(1)  # level: short of the margin, above the floor
-    for _ in range(3):
+    for _ in range(20):
+        policy.observe(True, 1, 1, 1.0)  # trials the gate stopped: slow
         policy.observe(False, 1, 40, 1.0)
-    assert not policy.speculate(1)  # speculative steps below 0.97x plain ones
-    policy.observe(False, 1, 40, 1.0)
-    policy.observe(False, 1, 40, 1.0)  # the sixth plain step since: measured again
-    assert policy.speculate(1)
-    policy.observe(True, 1, 1, 1.0)
-    assert not policy.speculate(1)
+    assert policy.speculate(1)  # the next request tries all the same
 
 
 def test_a_verdict_needs_min_samples_speculative_steps() -> None:
@@ -119,11 +110,6 @@ def test_a_verdict_needs_min_samples_speculative_steps() -> None:
     for _ in range(2):
         policy.observe(True, 1, 1, 1.0)
     assert not policy.speculate(1)
-
-
-def test_a_floor_above_the_margin_is_refused() -> None:
-    with pytest.raises(ValueError, match="floor"):
-        AdaptiveSpeculation(margin=1.0, floor=1.1)
 
 
 def test_requests_of_a_head_that_guesses_badly_stop_drafting_in_the_engine(
