@@ -143,7 +143,10 @@ def _build_state(source: CheckpointSource, config: DecoderConfig, layout: _Layou
     """Read the checkpoint, then fuse and pack as the layout asks."""
     graphdef, abstract_params = nnx.split(
         nnx.eval_shape(lambda: CausalLM(config, dtype=layout.jdtype)))
-    coded = _coded_panels(source, config, layout.widen) if layout.packed else None
+    # The coded and widened kernels multiply float32 activations: a model served in
+    # bfloat16 dequantizes a GGUF's codes at load like any other tensor.
+    coded = (_coded_panels(source, config, layout.widen)
+             if layout.packed and jnp.dtype(layout.jdtype) == jnp.float32 else None)
     params = _read_params(nnx.to_pure_dict(abstract_params), source, layout.jdtype)
     state = ModelState(graphdef=graphdef, params=params)
     if layout.fuse:

@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,10 +25,12 @@ import pytest
 import torch
 
 from esurge.models import cpu_kernels, load_model, packed_linear
+from esurge.models.loader import LoadedModel
 from esurge.models.packed_linear import pack_gate_up, pack_weight, packed_matmul, packed_silu_mul
 from esurge.models.paged_attention import AttentionBackend, AttentionMetadata, write_and_attend
 from tests.models.checkpoints import build_model, hf_config, save_checkpoint
 from tests.models.conftest import FAMILIES
+from tests.models.gguf_export import export_gguf
 from tests.models.paged import PagedSession, Row, greedy_generate
 from tests.models.test_paged_attention import (
     DIM,
@@ -198,18 +201,9 @@ def bf16_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
     return make
 
 
-@native
-@pytest.mark.usefixtures("cpu_kernels_built")
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_in_bfloat16_follows_float32_on_the_same_weights(
-        family: str, bf16_checkpoints: Callable[[str], Path]) -> None:
-    path = bf16_checkpoints(family)
-    ours = load_model(path)  # auto: native bfloat16 on this CPU
-    reference = load_model(path, "float32")  # the same bfloat16 values, upcast
-    assert ours.dtype == "bfloat16" and ours.config.packed_weights
-    # A tied head (qwen2 here) gets bfloat16 panels of its own.
-    assert ours.config.packed_tied_head == ours.config.tie_word_embeddings
-    assert reference.dtype == "float32"
+def _assert_follows(ours: LoadedModel, reference: LoadedModel) -> None:
+    """ours' logits within LOGIT_RANGE_FRACTION of reference's range, and its greedy
+    tokens equal reference's except at near-ties."""
     ids = [int(t) for t in np.random.default_rng(2).integers(3, 250, 17)]
     got, want = (PagedSession(m).step([Row("r", ids, 0, len(ids))])[0] for m in (ours, reference))
     spread = float(want.max() - want.min())
@@ -228,6 +222,38 @@ def test_every_family_in_bfloat16_follows_float32_on_the_same_weights(
         assert margin <= LOGIT_RANGE_FRACTION * spread, (
             f"token {at} differs ({mine[at]} vs {theirs[at]}) though float32 prefers "
             f"{theirs[at]} by {margin:.3f}, not a near-tie")
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_in_bfloat16_follows_float32_on_the_same_weights(
+        family: str, bf16_checkpoints: Callable[[str], Path]) -> None:
+    path = bf16_checkpoints(family)
+    ours = load_model(path)  # auto: native bfloat16 on this CPU
+    reference = load_model(path, "float32")  # the same bfloat16 values, upcast
+    assert ours.dtype == "bfloat16" and ours.config.packed_weights
+    # A tied head (qwen2 here) gets bfloat16 panels of its own.
+    assert ours.config.packed_tied_head == ours.config.tie_word_embeddings
+    assert reference.dtype == "float32"
+    _assert_follows(ours, reference)
+
+
+@native
+@pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0],
+                         ids=lambda q: q.name)
+def test_a_quantized_gguf_served_in_bfloat16_follows_its_float32_serving(
+        qtype: gguf.GGMLQuantizationType, tmp_path: Path) -> None:
+    # float32 serving multiplies the file's codes (coded kernels, float32
+    # activations); bfloat16 serving dequantizes them at load instead (it once
+    # handed the coded panels bfloat16 activations and failed at its first step).
+    save_checkpoint(build_model(hf_config("llama"), seed=1), tmp_path / "hf")
+    path = export_gguf(tmp_path / "hf", "llama", tmp_path / "m.gguf", qtype=qtype)
+    ours, reference = load_model(path, "bfloat16"), load_model(path, "float32")
+    assert ours.dtype == "bfloat16" and ours.config.packed_weights
+    assert ours.config.coded_weights == () and reference.config.coded_weights
+    _assert_follows(ours, reference)
 
 
 @native
