@@ -210,6 +210,18 @@ class DraftLength:
         """The best speculative rate over the plain rate at this batch size (see `rate`)."""
         return self.rate(batch, self.best(batch, requests), requests) / self.rate(batch, 0)
 
+    def mixed_gain(self, drafting: Sequence[Acceptance], riders: int) -> float:
+        """The best speculative rate over the plain rate of a step where the
+        `drafting` requests draft at their own acceptance and `riders` more
+        take no drafts (one token each) but pay for the others' in the step."""
+        batch = len(drafting) + riders
+
+        def tokens_per_s(drafts: int) -> float:
+            tokens = sum(a.expected_tokens(drafts) for a in drafting) + riders
+            return tokens / max(self.costs.speculative(batch, drafts) + self.overhead, 1e-9)
+
+        return max(map(tokens_per_s, range(1, self.k + 1))) / self.rate(batch, 0)
+
     def observe(self, batch: int, drafts: int, seconds: float) -> None:
         """A measured decode step with `drafts` drafts a request (0: plain): moves
         that mode's overhead towards what the parts do not explain."""

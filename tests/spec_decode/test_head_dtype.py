@@ -10,15 +10,17 @@ import numpy as np
 from esurge.models import load_model
 from esurge.models.cpu_kernels import kernels_serve
 from esurge.spec_decode.checkpoint import head_serving_dtype, load_eagle_head
+from esurge.spec_decode.head import HeadWeights
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bfloat16_heads_only_beside_packed_float32_targets_on_native_bfloat16() -> None:
     native = kernels_serve(jnp.bfloat16)
-    assert head_serving_dtype("float32", True) == ("bfloat16" if native else "float32")
-    assert head_serving_dtype("float32", False) == "float32"
-    assert head_serving_dtype("bfloat16", True) == "bfloat16"
+    for packed in (HeadWeights.PANELS, HeadWeights.DUAL):
+        assert head_serving_dtype("float32", packed) == ("bfloat16" if native else "float32")
+        assert head_serving_dtype("bfloat16", packed) == "bfloat16"
+    assert head_serving_dtype("float32", HeadWeights.PLAIN) == "float32"
 
 
 def test_a_bfloat16_head_casts_float32_features_on_entry() -> None:

@@ -155,3 +155,44 @@ def test_a_few_slow_steps_do_not_move_the_overheads() -> None:
     assert lengths.overhead == pytest.approx(0.3)
     with pytest.raises(ValueError, match="window"):
         DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4), window=0)
+
+
+def test_a_stopped_request_weighs_on_its_batchs_mix() -> None:
+    lengths = DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4, prior=0.6))
+    gate, trial = RequestGate(min_verifications=4), Acceptance(4, prior=0.8)
+    policy = AdaptiveSpeculation(margin=1.05, margin_per_doubling=0.075)
+    assert policy.mix_pays(2, 0.5)  # without step costs the measured rates decide
+    policy.predict_trial = lambda batch: lengths.predicted_gain(batch, (trial,))
+    for _ in range(16):
+        gate.record("good", 3, 3, lengths)
+    # Two requests drafting at 0.8 promise 1.4x at batch 2 (the margin there: 1.125) ...
+    assert policy.mix_pays(2, gate.mix_gain(["new", "other"], 0, lengths, trial))
+    # ... one of them and a stopped request riding along, about 1.03x.
+    assert not policy.mix_pays(2, gate.mix_gain(["new"], 1, lengths, trial))
+    # A request judged by its own verifications counts at its own acceptance.
+    assert gate.mix_gain(["good"], 1, lengths, trial) > gate.mix_gain(["new"], 1, lengths, trial)
+
+
+def test_a_batch_whose_mix_loses_stops_drafting_in_the_engine(
+        bigram_dirs: tuple[Path, Path]) -> None:
+    from esurge import SamplingParams, eSurge
+    from tests.spec_decode.helpers import bigram_next_probs, spec_config
+    from tests.spec_decode.test_bigram_engine import greedy, greedy_chain
+
+    target, head = bigram_dirs  # a perfect head: alone, its drafts always pay
+    config = spec_config(3, head, max_num_seqs=32, batched_tokens=64, async_=True)
+    with eSurge(target, config, show_progress=False, warmup=False, min_token_bucket=32) as llm:
+        spec = llm.runner.spec
+        assert spec is not None
+        spec.calibrate(_costs(1.0, 0.1, 0.2, k=3))  # as in the test above
+        # A seeded sample takes no drafts under the adaptive policy: it rides along.
+        rider = SamplingParams(temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+        drafting, riding = llm.generate([[3, 1, 4], [2, 7, 1]], [greedy(40), rider])
+        alone = llm.generate([[3, 1, 4]], greedy(40))[0].outputs[0]
+    assert drafting.outputs[0].token_ids == greedy_chain(bigram_next_probs(target), [3, 1, 4], 40)
+    assert riding.outputs[0].num_draft_tokens == 0
+    # Beside the rider not even a trial pays (about 1.03x, short of 1.125x): the
+    # first step's proposal is dropped and the request decodes plainly; alone,
+    # its drafts pay and it drafts to the end.
+    assert drafting.outputs[0].num_draft_tokens == 0
+    assert alone.num_draft_tokens > 20

@@ -346,7 +346,24 @@ class SpecDecoder:
         self.stats.record(verifications, drafted, accepted)
         if self.lengths is not None and outcomes:
             self.lengths.acceptance.record(outcomes)
+        self._stop_a_losing_mix(inputs.req_ids, proposals)
         return emitted, proposals
+
+    def _stop_a_losing_mix(self, req_ids: Sequence[str], proposals: list[Sequence[int]]) -> None:
+        """Stop every request's drafts, for good, where the batch's mix no longer
+        pays (the gate has judged each request alone, as if all were like it)."""
+        lengths, batch = self.lengths, len(req_ids)
+        drafting = [r for r in req_ids if r not in self.unsynced]
+        if not self.policy.gates_requests or lengths is None or batch < 2 or not drafting:
+            return
+        trial = Acceptance(self.num_spec, prior=self.policy.trial_rate)
+        if self.policy.mix_pays(batch, self.gate.mix_gain(drafting, batch - len(drafting),
+                                                          lengths, trial)):
+            return
+        self.unsynced.update(drafting)
+        self.gate.release(drafting)
+        for i in range(batch):
+            proposals[i] = []
 
     def _still_drafts(self, req_id: str, drafts: int, accepted: int, batch: int) -> bool:
         """Records a verification with the gate (where the policy gates requests);
