@@ -98,6 +98,9 @@ class SchedulerOutput:
     and is scheduled num_decode_steps tokens, its last known (or in-flight)
     token and the ones the step itself generates; the runner runs that many
     decode iterations and returns one token per iteration and request.
+
+    num_waiting_reqs is how many requests still wait after this step: the
+    batch a step admitting prompts fills toward.
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -109,6 +112,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str]
     num_seq_bucket: int
     num_decode_steps: int = 1
+    num_waiting_reqs: int = 0
 
     @property
     def num_scheduled_reqs(self) -> int:

@@ -350,6 +350,7 @@ class Scheduler(SchedulerInterface):
             preempted_req_ids=plan.preempted,
             num_seq_bucket=self.seq_buckets.bucket_for(len(num_scheduled)),
             num_decode_steps=plan.decode_steps,
+            num_waiting_reqs=len(self.waiting),
         )
 
     # ---- outputs ------------------------------------------------------------------

@@ -118,3 +118,11 @@ def test_from_runner_takes_the_runners_cache_groups() -> None:
     default = Scheduler.from_runner(runner)
     assert default.max_num_batched_tokens == 64  # runner.config's budget is kept
     assert default.config.cache_config.enable_prefix_caching is True
+
+
+def test_each_step_says_how_many_requests_still_wait() -> None:
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(5):
+        s.add_request(make_request(f"r{i}", 4, 3))
+    out = s.schedule()
+    assert (len(out.scheduled_new_reqs), out.num_waiting_reqs) == (2, 3)

@@ -196,3 +196,31 @@ def test_a_batch_whose_mix_loses_stops_drafting_in_the_engine(
     # its drafts pay and it drafts to the end.
     assert drafting.outputs[0].num_draft_tokens == 0
     assert alone.num_draft_tokens > 20
+
+
+def test_prompts_pass_through_the_head_only_where_the_filling_batch_would_draft(
+        bigram_dirs: tuple[Path, Path]) -> None:
+    from esurge import SamplingParams, eSurge
+    from esurge.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from tests.spec_decode.helpers import spec_config
+
+    target, head = bigram_dirs
+    config = spec_config(3, head, max_num_seqs=32, batched_tokens=64, async_=True)
+    with eSurge(target, config, show_progress=False, warmup=False, min_token_bucket=32) as llm:
+        spec = llm.runner.spec
+        assert spec is not None
+        # Trials pay up to 4 requests (1.27x against a margin of 1.2 there), not at 8.
+        spec.calibrate(_costs(1.0, 0.1, 0.2, k=3))
+        params = SamplingParams(temperature=0, max_tokens=8)
+
+        def admitting(new: int, waiting: int) -> SchedulerOutput:
+            reqs = [NewRequestData(f"r{i}", [1] * 20, params, ((0,),), 0, None, ())
+                    for i in range(new)]
+            scheduled = {r.req_id: 20 for r in reqs}
+            return SchedulerOutput(reqs, CachedRequestData(), scheduled, 20 * new, {}, set(),
+                                   set(), 4, num_waiting_reqs=waiting)
+
+        assert spec.speculates(admitting(3, 0)) and spec.speculates(admitting(3, 1))
+        # Three prompts of a batch filling to eight: the head would read them for nothing.
+        assert not spec.speculates(admitting(3, 5))
+        assert not spec.speculates(admitting(3, 100))

@@ -47,7 +47,11 @@ from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplerVariant, SamplingTensors
 from esurge.runner.step_inputs import StepInputs
-from esurge.runner.steps.speculative.draft_inputs import draft_inputs, scheduled_drafts
+from esurge.runner.steps.speculative.draft_inputs import (
+    allowed_count,
+    draft_inputs,
+    scheduled_drafts,
+)
 from esurge.runner.steps.speculative.draft_slots import DraftSlots, ReadOnce
 from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
@@ -119,6 +123,7 @@ class SpecDecoder:
         if not spec.use_eagle() or spec.speculative_model is None:
             raise ValueError(f"speculative_config does not enable Eagle: {spec!r}")
         self.num_spec = spec.num_speculative_tokens
+        self.max_batch = max_rows
         # Under tensor parallelism the head is replicated: it is one small layer,
         # and its drafts must be the same on every device.
         weights = head_weights(model.config, on_mesh=model.mesh is not None)
@@ -199,7 +204,13 @@ class SpecDecoder:
             return False
         # No drafts to verify here: a step of one token per request decodes only.
         decoding = not so.scheduled_new_reqs and all(n == 1 for n in scheduled.values())
-        return self.policy.speculate(len(scheduled), measurable=decoding)
+        # A step admitting prompts feeds them through the head only if drafting
+        # pays at the batch it fills toward (the 4M model at batch 32: 7 steps
+        # of 512 prompt tokens through the head while 4 to 27 requests had come
+        # in, then no request drafted).
+        batch = len(scheduled) if decoding else min(len(scheduled) + so.num_waiting_reqs,
+                                                    self.max_batch)
+        return self.policy.speculate(batch, measurable=decoding)
 
     def observe_step(self, inputs: StepInputs, out: ModelRunnerOutput, started: float) -> None:
         """Report a collected step in which every request decoded (no prompt chunk)
@@ -382,20 +393,7 @@ class SpecDecoder:
                   step: SpecStep, drafts: ReadOnce) -> Sequence[int]:
         """Request i's proposals (as many as allowed_count lets through), left
         where they wait on the device."""
-        count = self.allowed_count(ib, inputs, i, num_emitted, step.count)
+        count = allowed_count(ib, inputs, i, num_emitted, min(step.count, self.num_spec))
         if not count or step.slots is None:
             return []
         return self.slots.on_device(int(step.slots[i]), step.generation, count, drafts, i)
-
-    def allowed_count(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
-                      count: int) -> int:
-        """How many of request i's `count` drafts could still be emitted after the
-        step's num_emitted tokens: none past max_tokens or max_model_len."""
-        row = ib.row_of[inputs.req_ids[i]]
-        num_tokens = int(inputs.seq_lens[i]) - int(inputs.num_drafts[i]) + num_emitted
-        limit = min(count, self.num_spec)
-        max_tokens = ib.params[row].max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - (num_tokens - int(ib.num_prompt[row])) - 1)
-        limit = min(limit, ib.max_model_len - num_tokens - 1)
-        return max(limit, 0)

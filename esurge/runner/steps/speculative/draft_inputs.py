@@ -11,7 +11,7 @@ from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.draft_slots import DraftSlots
 from esurge.spec_decode.proposer import DraftBatch
 
-__all__ = ["draft_inputs", "scheduled_drafts"]
+__all__ = ["allowed_count", "draft_inputs", "scheduled_drafts"]
 
 
 def scheduled_drafts(ib: InputBatch, inputs: StepInputs, k: int, slots: DraftSlots
@@ -71,3 +71,17 @@ def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, g
         first_row=first_row, propose=propose_mask,
         temperature=np.asarray(tensors.temperature, np.float32))
     return draft_batch, eligible
+
+
+def allowed_count(ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
+                  count: int) -> int:
+    """How many of request i's `count` drafts could still be emitted after the
+    step's num_emitted tokens: none past max_tokens or max_model_len."""
+    row = ib.row_of[inputs.req_ids[i]]
+    num_tokens = int(inputs.seq_lens[i]) - int(inputs.num_drafts[i]) + num_emitted
+    limit = count
+    max_tokens = ib.params[row].max_tokens
+    if max_tokens is not None:
+        limit = min(limit, max_tokens - (num_tokens - int(ib.num_prompt[row])) - 1)
+    limit = min(limit, ib.max_model_len - num_tokens - 1)
+    return max(limit, 0)

@@ -23,6 +23,7 @@ from esurge.models.forward import ModelState
 from esurge.runner.host_read import to_host
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.step_inputs import StepInputs
+from esurge.runner.steps.speculative.draft_inputs import allowed_count
 from esurge.spec_decode.proposer import DraftBatch, FirstDraft, masked_draft_step
 from esurge.structured_output.batch import GrammarBatch
 
@@ -88,7 +89,8 @@ def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
     if probs:
         missing = [jnp.zeros_like(probs[0])] * (spec.num_spec - len(probs))
         spec.store_probs(ib, inputs, step.propose, jnp.stack(probs + missing, axis=1))
-    return [p[:spec.allowed_count(ib, inputs, i, len(emitted[i]), len(p))] if p else []
+    return [p[:allowed_count(ib, inputs, i, len(emitted[i]), min(len(p), spec.num_spec))]
+            if p else []
             for i, p in enumerate(proposals)]
 
 
