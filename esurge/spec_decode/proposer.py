@@ -237,7 +237,7 @@ def propose_first(head_state: EagleState, cache: DraftKVCache, target_state: She
 # which in a loop fuses into the gather and converts only the rows taken. Loop-
 # invariant code motion hoists that conversion out of the draft loop instead, so
 # every call materialized the target's whole embedding table in float32 (108 MiB
-# for SmolLM2: a bfloat16 proposal of 2-4 drafts took 14-27 ms instead of
+# for SmolLM2: a bfloat16 proposal of 2-4 drafts took 27-28 ms instead of
 # 0.7-1.1 ms). The loop's body is one small head layer: nothing else worth hoisting.
 _DRAFT_LOOP_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
