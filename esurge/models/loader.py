@@ -115,10 +115,16 @@ class _Layout:
     dual: bool
 
     @property
+    def keeps_codes(self) -> bool:
+        """Whether a GGUF's integer codes stay in coded panels: the coded (and
+        widened) kernels multiply float32 activations, so a model served in
+        bfloat16 dequantizes them at load like any other tensor."""
+        return self.packed and jnp.dtype(self.jdtype) == jnp.float32
+
+    @property
     def widen(self) -> bool:
         """Whether bfloat16 values are kept in widened panels (float32 serving)."""
-        return (self.packed and jnp.dtype(self.jdtype) == jnp.float32
-                and widened_panels_enabled())
+        return self.keeps_codes and widened_panels_enabled()
 
     def config(self, config: DecoderConfig, coded_weights: tuple[tuple[str, int], ...]
                ) -> DecoderConfig:
@@ -143,10 +149,7 @@ def _build_state(source: CheckpointSource, config: DecoderConfig, layout: _Layou
     """Read the checkpoint, then fuse and pack as the layout asks."""
     graphdef, abstract_params = nnx.split(
         nnx.eval_shape(lambda: CausalLM(config, dtype=layout.jdtype)))
-    # The coded and widened kernels multiply float32 activations: a model served in
-    # bfloat16 dequantizes a GGUF's codes at load like any other tensor.
-    coded = (_coded_panels(source, config, layout.widen)
-             if layout.packed and jnp.dtype(layout.jdtype) == jnp.float32 else None)
+    coded = _coded_panels(source, config, layout.widen) if layout.keeps_codes else None
     params = _read_params(nnx.to_pure_dict(abstract_params), source, layout.jdtype)
     state = ModelState(graphdef=graphdef, params=params)
     if layout.fuse:

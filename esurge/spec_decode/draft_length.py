@@ -190,37 +190,30 @@ class DraftLength:
         """The most drafts a step may carry."""
         return self.acceptance.k
 
-    def rate(self, batch: int, drafts: int,
-             requests: Sequence[Acceptance] | None = None) -> float:
+    def rate(self, batch: int, drafts: int, requests: Sequence[Acceptance] | None = None,
+             riders: int = 0) -> float:
         """Expected tokens per second of decode steps with `drafts` drafts (0: plain);
         with `requests`, the mean of these requests' own expected tokens (else
-        the engine-wide acceptance's)."""
+        the engine-wide acceptance's). `riders` of the batch take no drafts (a
+        token a step each) but pay for the others' in every step."""
         if drafts == 0:
             return batch / max(self.costs.plain(batch) + self.plain_overhead, 1e-9)
         seconds = self.costs.speculative(batch, drafts) + self.overhead
         tokens = (sum(a.expected_tokens(drafts) for a in requests) / len(requests) if requests
                   else self.acceptance.expected_tokens(drafts))
-        return batch * tokens / max(seconds, 1e-9)
+        return ((batch - riders) * tokens + riders) / max(seconds, 1e-9)
 
-    def best(self, batch: int, requests: Sequence[Acceptance] | None = None) -> int:
+    def best(self, batch: int, requests: Sequence[Acceptance] | None = None,
+             riders: int = 0) -> int:
         """The draft count in 1..k with the best expected rate (see `rate`)."""
-        return max(range(1, self.k + 1), key=lambda d: (self.rate(batch, d, requests), -d))
+        return max(range(1, self.k + 1),
+                   key=lambda d: (self.rate(batch, d, requests, riders), -d))
 
-    def predicted_gain(self, batch: int, requests: Sequence[Acceptance] | None = None) -> float:
+    def predicted_gain(self, batch: int, requests: Sequence[Acceptance] | None = None,
+                       riders: int = 0) -> float:
         """The best speculative rate over the plain rate at this batch size (see `rate`)."""
-        return self.rate(batch, self.best(batch, requests), requests) / self.rate(batch, 0)
-
-    def mixed_gain(self, drafting: Sequence[Acceptance], riders: int) -> float:
-        """The best speculative rate over the plain rate of a step where the
-        `drafting` requests draft at their own acceptance and `riders` more
-        take no drafts (one token each) but pay for the others' in the step."""
-        batch = len(drafting) + riders
-
-        def tokens_per_s(drafts: int) -> float:
-            tokens = sum(a.expected_tokens(drafts) for a in drafting) + riders
-            return tokens / max(self.costs.speculative(batch, drafts) + self.overhead, 1e-9)
-
-        return max(map(tokens_per_s, range(1, self.k + 1))) / self.rate(batch, 0)
+        drafts = self.best(batch, requests, riders)
+        return self.rate(batch, drafts, requests, riders) / self.rate(batch, 0)
 
     def observe(self, batch: int, drafts: int, seconds: float) -> None:
         """A measured decode step with `drafts` drafts a request (0: plain): moves

@@ -67,15 +67,16 @@ class RequestGate:
 
     def mix_gain(self, drafting: Sequence[str], riders: int, lengths: DraftLength,
                  trial: Acceptance) -> float:
-        """The predicted gain of a step of these requests (DraftLength.mixed_gain):
-        each drafting request at its own acceptance once the gate has judged it,
-        at `trial` (the policy's trial acceptance) before that."""
+        """The predicted gain of a step of the `drafting` requests and `riders`
+        that take no drafts (DraftLength.predicted_gain): each drafting request
+        at its own acceptance once the gate has judged it, at `trial` (the
+        policy's trial acceptance) before that."""
         own = []
         for req_id in drafting:
             seen = self._seen.get(req_id)
             judged = seen is not None and seen.reached[0] >= self.min_verifications
             own.append(seen if judged and seen is not None else trial)
-        return lengths.mixed_gain(own, riders)
+        return lengths.predicted_gain(len(own) + riders, own, riders)
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Forget requests that left the batch."""

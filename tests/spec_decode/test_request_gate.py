@@ -225,3 +225,13 @@ def test_prompts_pass_through_the_head_only_where_the_filling_batch_would_draft(
         # Three prompts of a batch filling to eight: the head would read them for nothing.
         assert not spec.speculates(admitting(3, 5))
         assert not spec.speculates(admitting(3, 100))
+
+
+def test_a_rider_makes_fewer_drafts_pay() -> None:
+    # Each draft adds a row for every request, and a rider gains nothing from it.
+    lengths = DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4, prior=0.6))
+    request = Acceptance(4, prior=0.8)
+    assert (lengths.best(2, [request]), lengths.best(2, [request], riders=1)) == (2, 1)
+    one_draft = lengths.costs.speculative(2, 1)
+    assert lengths.rate(2, 1, [request], riders=1) == pytest.approx(
+        (request.expected_tokens(1) + 1) / one_draft)

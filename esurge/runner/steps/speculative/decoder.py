@@ -155,6 +155,8 @@ class SpecDecoder:
         # whose drafts the gate stopped.
         self.unsynced: set[str] = set()
         self.gate = RequestGate()
+        # The policy's trial acceptance, where it gates requests (set by calibrate).
+        self.trial: Acceptance | None = None
         self._last_collected: float | None = None
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
@@ -167,8 +169,8 @@ class SpecDecoder:
             return
         lengths = self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
         if self.policy.gates_requests:
-            trial = (Acceptance(self.num_spec, prior=self.policy.trial_rate),)
-            self.policy.predict_trial = lambda batch: lengths.predicted_gain(batch, trial)
+            trial = self.trial = Acceptance(self.num_spec, prior=self.policy.trial_rate)
+            self.policy.predict_trial = lambda batch: lengths.predicted_gain(batch, (trial,))
 
     def drafts_for(self, req_ids: Sequence[str]) -> int:
         """How many drafts to propose for a step of these requests: by their own
@@ -182,7 +184,7 @@ class SpecDecoder:
             return lengths.best(len(req_ids))
         own = [self.gate.acceptance_of(r) or lengths.acceptance for r in req_ids
                if r not in self.unsynced]
-        return lengths.best(len(req_ids), own)
+        return lengths.best(len(req_ids), own, riders=len(req_ids) - len(own))
 
     def admit(self, new: NewRequestData) -> None:
         """A request entering the batch: one the policy keeps from drafting (a
@@ -204,10 +206,8 @@ class SpecDecoder:
             return False
         # No drafts to verify here: a step of one token per request decodes only.
         decoding = not so.scheduled_new_reqs and all(n == 1 for n in scheduled.values())
-        # A step admitting prompts feeds them through the head only if drafting
-        # pays at the batch it fills toward (the 4M model at batch 32: 7 steps
-        # of 512 prompt tokens through the head while 4 to 27 requests had come
-        # in, then no request drafted).
+        # Prompts go through the head only if drafting pays at the batch they fill
+        # toward (the 4M model at batch 32 ran 7 prompt steps through it for nothing).
         batch = len(scheduled) if decoding else min(len(scheduled) + so.num_waiting_reqs,
                                                     self.max_batch)
         return self.policy.speculate(batch, measurable=decoding)
@@ -363,18 +363,21 @@ class SpecDecoder:
     def _stop_a_losing_mix(self, req_ids: Sequence[str], proposals: list[Sequence[int]]) -> None:
         """Stop every request's drafts, for good, where the batch's mix no longer
         pays (the gate has judged each request alone, as if all were like it)."""
-        lengths, batch = self.lengths, len(req_ids)
+        lengths, trial, batch = self.lengths, self.trial, len(req_ids)
         drafting = [r for r in req_ids if r not in self.unsynced]
-        if not self.policy.gates_requests or lengths is None or batch < 2 or not drafting:
+        if lengths is None or trial is None or batch < 2 or not drafting:
             return
-        trial = Acceptance(self.num_spec, prior=self.policy.trial_rate)
-        if self.policy.mix_pays(batch, self.gate.mix_gain(drafting, batch - len(drafting),
-                                                          lengths, trial)):
+        gain = self.gate.mix_gain(drafting, batch - len(drafting), lengths, trial)
+        if self.policy.mix_pays(batch, gain):
             return
-        self.unsynced.update(drafting)
-        self.gate.release(drafting)
+        self._stop(drafting)
         for i in range(batch):
             proposals[i] = []
+
+    def _stop(self, req_ids: Sequence[str]) -> None:
+        """These requests draft no more: from their next step on they decode plainly."""
+        self.unsynced.update(req_ids)
+        self.gate.release(req_ids)
 
     def _still_drafts(self, req_id: str, drafts: int, accepted: int, batch: int) -> bool:
         """Records a verification with the gate (where the policy gates requests);
@@ -385,8 +388,7 @@ class SpecDecoder:
         self.gate.record(req_id, drafts, accepted, lengths)
         if self.gate.pays(req_id, batch, lengths):
             return True
-        self.unsynced.add(req_id)
-        self.gate.release((req_id,))
+        self._stop((req_id,))
         return False
 
     def _proposed(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
