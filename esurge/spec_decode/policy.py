@@ -118,9 +118,10 @@ class SpeculationPolicy:
         measured (a step that carries prompt chunks cannot)."""
         return batch > 0
 
-    def mix_pays(self, batch: int, gain: float) -> bool:
-        """Whether a speculative batch whose mix of drafting and stopped requests
-        is predicted to gain `gain` keeps drafting (RequestGate.mix_gain)."""
+    def mix_pays(self, batch: int, gain: float, riders: int) -> bool:
+        """Whether a speculative batch keeps drafting: its drafting requests are
+        predicted to gain `gain` (RequestGate.mix_gain), and `riders` more take
+        no drafts (stopped by the gate, or seeded samples)."""
         return True
 
     def observe(self, speculative: bool, batch: int, tokens: int, seconds: float) -> None:
@@ -238,14 +239,18 @@ class AdaptiveSpeculation(SpeculationPolicy):
         """
         return predict_trial(batch) >= self.margin_at(batch)
 
-    def mix_pays(self, batch: int, gain: float) -> bool:
-        """The margin trials must promise, asked of the batch's actual mix: a
-        request the gate stopped rides along paying for the others' drafts,
-        and a batch waits for its slowest request (SmolLM2 in bfloat16 at
-        batch 4, where a 0.8 trial promises 1.3x: one hard chat left alone for
-        52 of 124 steps, 0.84x of plain decoding). Without step costs the
-        measured rates decide alone."""
-        return self.predict_trial is None or gain >= self.margin_at(batch)
+    def mix_pays(self, batch: int, gain: float, riders: int) -> bool:
+        """With step costs: no rider, and the margin trials must promise asked
+        of the drafting requests' own acceptance. A rider gains nothing from a
+        speculative step and waits for the others' drafts in every one, and a
+        batch ends with its slowest request (SmolLM2 in bfloat16 at batch 4,
+        where a 0.8 trial promises 1.6x: one hard chat left alone for 52 of 124
+        steps, 0.84x of plain decoding; weighing riders at one token a step
+        into the mix, 0.86-0.94x; stopping at the first rider, 0.94-0.98x in
+        the same minutes). Without step costs the measured rates decide alone."""
+        if self.predict_trial is None:
+            return True
+        return riders == 0 and gain >= self.margin_at(batch)
 
     def _remeasuring(self, batch: int) -> bool:
         """Whether speculation, measured losing at this batch size, is being

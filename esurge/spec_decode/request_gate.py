@@ -10,10 +10,9 @@ request's verifications, stops its drafts when no draft count's expected
 tokens per second at the step's batch size (the warm-up step costs plus the
 overhead measured since, `DraftLength`) reaches `margin` times a plain
 step's. A stopped request decodes plainly from then on: after a plain step
-the head's cache no longer follows it. A stopped request still rides in its
-batch's speculative steps, paying for the others' drafts: `mix_gain` is
-what the step's whole mix is predicted to gain, which the policy weighs
-(`SpeculationPolicy.mix_pays`).
+the head's cache no longer follows it. A stopped request would still ride in
+its batch's speculative steps, waiting for the others' drafts: the policy
+weighs the batch as a whole (`mix_gain`, `SpeculationPolicy.mix_pays`).
 """
 
 from __future__ import annotations
@@ -65,18 +64,17 @@ class RequestGate:
             return True
         return lengths.predicted_gain(batch, (own,)) >= self.margin
 
-    def mix_gain(self, drafting: Sequence[str], riders: int, lengths: DraftLength,
+    def mix_gain(self, drafting: Sequence[str], lengths: DraftLength,
                  trial: Acceptance) -> float:
-        """The predicted gain of a step of the `drafting` requests and `riders`
-        that take no drafts (DraftLength.predicted_gain): each drafting request
-        at its own acceptance once the gate has judged it, at `trial` (the
-        policy's trial acceptance) before that."""
+        """The predicted gain of a step of the `drafting` requests
+        (DraftLength.predicted_gain): each at its own acceptance once the gate
+        has judged it, at `trial` (the policy's trial acceptance) before that."""
         own = []
         for req_id in drafting:
             seen = self._seen.get(req_id)
             judged = seen is not None and seen.reached[0] >= self.min_verifications
             own.append(seen if judged and seen is not None else trial)
-        return lengths.predicted_gain(len(own) + riders, own, riders)
+        return lengths.predicted_gain(len(own), own)
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Forget requests that left the batch."""

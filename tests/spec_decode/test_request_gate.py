@@ -157,20 +157,24 @@ def test_a_few_slow_steps_do_not_move_the_overheads() -> None:
         DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4), window=0)
 
 
-def test_a_stopped_request_weighs_on_its_batchs_mix() -> None:
+def test_a_batch_drafts_while_its_drafting_requests_pay_and_none_rides_along() -> None:
     lengths = DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4, prior=0.6))
     gate, trial = RequestGate(min_verifications=4), Acceptance(4, prior=0.8)
     policy = AdaptiveSpeculation(margin=1.05, margin_per_doubling=0.075)
-    assert policy.mix_pays(2, 0.5)  # without step costs the measured rates decide
+    assert policy.mix_pays(2, 0.5, riders=1)  # without step costs the measured rates decide
     policy.predict_trial = lambda batch: lengths.predicted_gain(batch, (trial,))
     for _ in range(16):
         gate.record("good", 3, 3, lengths)
-    # Two requests drafting at 0.8 promise 1.4x at batch 2 (the margin there: 1.125) ...
-    assert policy.mix_pays(2, gate.mix_gain(["new", "other"], 0, lengths, trial))
-    # ... one of them and a stopped request riding along, about 1.03x.
-    assert not policy.mix_pays(2, gate.mix_gain(["new"], 1, lengths, trial))
-    # A request judged by its own verifications counts at its own acceptance.
-    assert gate.mix_gain(["good"], 1, lengths, trial) > gate.mix_gain(["new"], 1, lengths, trial)
+        gate.record("bad", 3, 0, lengths)
+    # Two requests in trial promise 1.4x at batch 2 (the margin there: 1.125) ...
+    assert policy.mix_pays(2, gate.mix_gain(["new", "other"], lengths, trial), riders=0)
+    # ... but one of them beside a request that takes no drafts does not draft:
+    # that rider would wait for the other's drafts in every step.
+    assert not policy.mix_pays(2, gate.mix_gain(["new"], lengths, trial), riders=1)
+    # A request the gate has judged counts at its own acceptance.
+    assert gate.mix_gain(["good", "new"], lengths, trial) > gate.mix_gain(["new", "new"],
+                                                                        lengths, trial)
+    assert not policy.mix_pays(2, gate.mix_gain(["bad", "new"], lengths, trial), riders=0)
 
 
 def test_a_batch_whose_mix_loses_stops_drafting_in_the_engine(
@@ -191,10 +195,9 @@ def test_a_batch_whose_mix_loses_stops_drafting_in_the_engine(
         alone = llm.generate([[3, 1, 4]], greedy(40))[0].outputs[0]
     assert drafting.outputs[0].token_ids == greedy_chain(bigram_next_probs(target), [3, 1, 4], 40)
     assert riding.outputs[0].num_draft_tokens == 0
-    # Beside the rider not even a trial pays (about 1.03x, short of 1.125x): the
-    # request decodes plainly (had it been admitted a step before the rider, the
-    # one proposal it made alone would be verified first); alone, its drafts pay
-    # and it drafts to the end.
+    # Beside a rider it does not draft: the request decodes plainly (had it been
+    # admitted a step before the rider, the one proposal it made alone would be
+    # verified first); alone, its drafts pay and it drafts to the end.
     assert drafting.outputs[0].num_draft_tokens <= 3
     assert alone.num_draft_tokens > 20
 

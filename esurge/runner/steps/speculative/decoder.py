@@ -361,14 +361,15 @@ class SpecDecoder:
         return emitted, proposals
 
     def _stop_a_losing_mix(self, req_ids: Sequence[str], proposals: list[Sequence[int]]) -> None:
-        """Stop every request's drafts, for good, where the batch's mix no longer
-        pays (the gate has judged each request alone, as if all were like it)."""
+        """Stop every request's drafts, for good, where the batch no longer pays
+        as a whole (the gate has judged each request alone, as if all were like
+        it; SpeculationPolicy.mix_pays)."""
         lengths, trial, batch = self.lengths, self.trial, len(req_ids)
         drafting = [r for r in req_ids if r not in self.unsynced]
         if lengths is None or trial is None or batch < 2 or not drafting:
             return
-        gain = self.gate.mix_gain(drafting, batch - len(drafting), lengths, trial)
-        if self.policy.mix_pays(batch, gain):
+        gain = self.gate.mix_gain(drafting, lengths, trial)
+        if self.policy.mix_pays(batch, gain, riders=batch - len(drafting)):
             return
         self._stop(drafting)
         for i in range(batch):
