@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
@@ -227,6 +228,16 @@ class eSurge:
         Input errors that need no engine state still raise ValueError at once.
         final_only: the callback gets the finished RequestOutput (or the
         engine's error) only, not a RequestDelta per step."""
+        rid, queue_it = self._staged(prompt, sampling_params, callback, request_id=request_id,
+                                     priority=priority, cache_salt=cache_salt,
+                                     final_only=final_only)
+        return rid, queue_it()
+
+    def _staged(self, prompt: Prompt, sampling_params: SamplingParams | None,
+                callback: Any, *, request_id: str | None, priority: int,
+                cache_salt: str | None, final_only: bool
+                ) -> tuple[str, Callable[[], Future[None]]]:
+        """A request validated and tokenized, and what queues it (submit_nowait)."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         if (prepared.params.structured_outputs is not None
@@ -238,11 +249,10 @@ class eSurge:
                                       "engine yet")
         eos = self.inputs.eos_token_id
         grammar = self.grammars.compile(prepared.params.structured_outputs)
-        future = self._loop.submit(rid, prepared.prompt, prepared.prompt_token_ids,
-                                   prepared.params,
-                                   lambda ids: prepared.engine_requests(ids, eos), callback,
-                                   final_only, grammar, self.grammars.timeout)
-        return rid, future
+        return rid, functools.partial(
+            self._loop.submit, rid, prepared.prompt, prepared.prompt_token_ids,
+            prepared.params, lambda ids: prepared.engine_requests(ids, eos), callback,
+            final_only, grammar, self.grammars.timeout)
 
     def generate(self, prompts: Sequence[Prompt] | Prompt,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -261,15 +271,17 @@ class eSurge:
 
         ids: list[str] = []
         try:
-            # Queue everything before waiting, so the engine admits the whole
-            # batch in its next step rather than one request per step.
-            futures = []
+            # Tokenize everything, then queue everything before waiting, so the
+            # engine admits the whole batch in its next step: queued as each was
+            # tokenized, the first request of a batch of chats started alone.
+            staged = []
             for i, (prompt, p) in enumerate(zip(plist, params, strict=True)):
                 prio = priorities[i] if priorities is not None else 0
-                rid, accepted = self.submit_nowait(prompt, p, on_output, priority=prio,
-                                                   final_only=True)
+                rid, queue_it = self._staged(prompt, p, on_output, request_id=None,
+                                             priority=prio, cache_salt=None, final_only=True)
                 ids.append(rid)
-                futures.append(accepted)
+                staged.append(queue_it)
+            futures = [queue_it() for queue_it in staged]
             for accepted in futures:
                 accepted.result()
         except BaseException:

@@ -137,6 +137,19 @@ def test_a_chat_reply_ends_at_the_end_of_turn(engine: eSurge, hf: tuple[Any, Any
     assert "Paris" in completion.text
 
 
+def test_a_batch_of_chats_is_admitted_in_one_step(engine: eSurge) -> None:
+    # generate() renders and tokenizes every chat before queueing any: queued
+    # as each was ready, the first chat of a batch started alone.
+    outputs = engine.generate([ChatPrompt.of(c) for c in CHATS],
+                              SamplingParams(temperature=0, max_tokens=1))
+    scheduled = sorted(o.metrics.first_scheduled_time for o in outputs)
+    # One scheduler pass takes microseconds, a step of this model milliseconds.
+    together = sum(t - scheduled[0] < 1e-3 for t in scheduled)
+    chunked = engine.config.scheduler_config.chunked_prefill_enabled
+    # Chunked: 16 prompt tokens a request and 32 a step.
+    assert together == (2 if chunked else len(CHATS))
+
+
 CAPITAL_SCHEMA = {
     "type": "object",
     "properties": {"country": {"type": "string", "maxLength": 40},
