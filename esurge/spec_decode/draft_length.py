@@ -176,14 +176,32 @@ class DraftLength:
 
     costs: StepCosts
     acceptance: Acceptance
-    overhead: float = 0.0
-    plain_overhead: float = 0.0
     window: int = 33
     _excess: dict[bool, deque[float]] = field(default_factory=dict, repr=False)
+    # Each mode's median excess, computed when read after new steps (every
+    # plain step is observed, on the thread that dispatches the next one).
+    _medians: dict[bool, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window!r}")
+
+    @property
+    def overhead(self) -> float:
+        """What a speculative step costs beyond its measured parts (seconds)."""
+        return self._median(True)
+
+    @property
+    def plain_overhead(self) -> float:
+        """What a plain step costs beyond its measured part (seconds)."""
+        return self._median(False)
+
+    def _median(self, speculative: bool) -> float:
+        median = self._medians.get(speculative)
+        if median is None:
+            recent = self._excess.get(speculative)
+            median = self._medians[speculative] = statistics.median(recent) if recent else 0.0
+        return median
 
     @property
     def k(self) -> int:
@@ -215,6 +233,16 @@ class DraftLength:
         drafts = self.best(batch, requests, riders)
         return self.rate(batch, drafts, requests, riders) / self.rate(batch, 0)
 
+    def slowest_gain(self, batch: int, requests: Sequence[Acceptance], riders: int = 0) -> float:
+        """What a speculative step at the best draft count for the batch (`best`)
+        gains its slowest request against a plain step: its expected tokens
+        over the steps' seconds (a rider's: one token)."""
+        drafts = self.best(batch, requests, riders)
+        slowest = min((a.expected_tokens(drafts) for a in requests), default=1.0)
+        tokens = 1.0 if riders else slowest
+        seconds = self.costs.speculative(batch, drafts) + self.overhead
+        return tokens * (self.costs.plain(batch) + self.plain_overhead) / max(seconds, 1e-9)
+
     def observe(self, batch: int, drafts: int, seconds: float) -> None:
         """A measured decode step with `drafts` drafts a request (0: plain): moves
         that mode's overhead towards what the parts do not explain."""
@@ -224,10 +252,7 @@ class DraftLength:
         cost = self.costs.speculative(batch, drafts) if speculative else self.costs.plain(batch)
         recent = self._excess.setdefault(speculative, deque(maxlen=self.window))
         recent.append(max(seconds - cost, 0.0))
-        if speculative:
-            self.overhead = statistics.median(recent)
-        else:
-            self.plain_overhead = statistics.median(recent)
+        self._medians.pop(speculative, None)
 
 
 def chain_rate(mean_length: float, k: int) -> float:

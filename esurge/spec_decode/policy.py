@@ -118,10 +118,9 @@ class SpeculationPolicy:
         measured (a step that carries prompt chunks cannot)."""
         return batch > 0
 
-    def mix_pays(self, batch: int, gain: float, riders: int) -> bool:
-        """Whether a speculative batch keeps drafting: its drafting requests are
-        predicted to gain `gain` (RequestGate.mix_gain), and `riders` more take
-        no drafts (stopped by the gate, or seeded samples)."""
+    def mix_pays(self, batch: int, gain: float) -> bool:
+        """Whether a speculative batch keeps drafting: a step is predicted to gain
+        its slowest request `gain` (RequestGate.mix_gain)."""
         return True
 
     def observe(self, speculative: bool, batch: int, tokens: int, seconds: float) -> None:
@@ -239,18 +238,20 @@ class AdaptiveSpeculation(SpeculationPolicy):
         """
         return predict_trial(batch) >= self.margin_at(batch)
 
-    def mix_pays(self, batch: int, gain: float, riders: int) -> bool:
-        """With step costs: no rider, and the margin trials must promise asked
-        of the drafting requests' own acceptance. A rider gains nothing from a
-        speculative step and waits for the others' drafts in every one, and a
-        batch ends with its slowest request (SmolLM2 in bfloat16 at batch 4,
-        where a 0.8 trial promises 1.6x: one hard chat left alone for 52 of 124
-        steps, 0.84x of plain decoding; weighing riders at one token a step
-        into the mix, 0.86-0.94x; stopping at the first rider, 0.94-0.98x in
-        the same minutes). Without step costs the measured rates decide alone."""
+    def mix_pays(self, batch: int, gain: float) -> bool:
+        """With step costs: the margin trials must promise, asked of the batch's
+        slowest request. A batch drains at the pace of its slowest request (a
+        request the gate stopped rides along at a token a step, waiting for
+        the others' drafts in every step), so the mean gain of a batch says
+        little of its time: SmolLM2 in bfloat16 at batch 4, where a 0.8 trial
+        promises 1.6x, left one hard chat alone for 52 of 124 steps (0.84x of
+        plain decoding); stopping at the first rider gave 0.94-0.98x, and the
+        trials of 8 verifications before the gate judged a request still cost
+        that much: a request's own acceptance counts from its first
+        verification on. Without step costs the measured rates decide alone."""
         if self.predict_trial is None:
             return True
-        return riders == 0 and gain >= self.margin_at(batch)
+        return gain >= self.margin_at(batch)
 
     def _remeasuring(self, batch: int) -> bool:
         """Whether speculation, measured losing at this batch size, is being

@@ -11,13 +11,15 @@ tokens per second at the step's batch size (the warm-up step costs plus the
 overhead measured since, `DraftLength`) reaches `margin` times a plain
 step's. A stopped request decodes plainly from then on: after a plain step
 the head's cache no longer follows it. A stopped request would still ride in
-its batch's speculative steps, waiting for the others' drafts: the policy
-weighs the batch as a whole (`mix_gain`, `SpeculationPolicy.mix_pays`).
+its batch's speculative steps, waiting for the others' drafts, and a batch
+drains at the pace of its slowest request: the policy weighs the batch by
+that one (`mix_gain`, `SpeculationPolicy.mix_pays`), from every request's
+first verification on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from esurge.spec_decode.draft_length import Acceptance, DraftLength
@@ -64,17 +66,15 @@ class RequestGate:
             return True
         return lengths.predicted_gain(batch, (own,)) >= self.margin
 
-    def mix_gain(self, drafting: Sequence[str], lengths: DraftLength,
-                 trial: Acceptance) -> float:
-        """The predicted gain of a step of the `drafting` requests
-        (DraftLength.predicted_gain): each at its own acceptance once the gate
-        has judged it, at `trial` (the policy's trial acceptance) before that."""
-        own = []
-        for req_id in drafting:
-            seen = self._seen.get(req_id)
-            judged = seen is not None and seen.reached[0] >= self.min_verifications
-            own.append(seen if judged and seen is not None else trial)
-        return lengths.predicted_gain(len(own), own)
+    def mix_gain(self, req_ids: Sequence[str], drafting: Collection[str],
+                 lengths: DraftLength, trial: Acceptance) -> float:
+        """The predicted gain of a speculative step of these requests for its
+        slowest one (DraftLength.slowest_gain): each of the `drafting` ones at
+        its own acceptance from its first verification on (shrunk towards the
+        engine-wide estimate), at `trial` (the policy's trial acceptance)
+        before it; the others take no drafts (riders, one token a step)."""
+        own = [self._seen.get(req_id) or trial for req_id in req_ids if req_id in drafting]
+        return lengths.slowest_gain(len(req_ids), own, riders=len(req_ids) - len(own))
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Forget requests that left the batch."""

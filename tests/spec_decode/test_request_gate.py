@@ -157,24 +157,48 @@ def test_a_few_slow_steps_do_not_move_the_overheads() -> None:
         DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4), window=0)
 
 
-def test_a_batch_drafts_while_its_drafting_requests_pay_and_none_rides_along() -> None:
+def test_a_batch_drafts_while_its_slowest_request_pays() -> None:
     lengths = DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4, prior=0.6))
     gate, trial = RequestGate(min_verifications=4), Acceptance(4, prior=0.8)
     policy = AdaptiveSpeculation(margin=1.05, margin_per_doubling=0.075)
-    assert policy.mix_pays(2, 0.5, riders=1)  # without step costs the measured rates decide
+    assert policy.mix_pays(2, 0.5)  # without step costs the measured rates decide
     policy.predict_trial = lambda batch: lengths.predicted_gain(batch, (trial,))
+
+    def pays(*req_ids: str, drafting: tuple[str, ...] | None = None) -> bool:
+        gain = gate.mix_gain(req_ids, set(req_ids if drafting is None else drafting),
+                             lengths, trial)
+        return policy.mix_pays(len(req_ids), gain)
+
     for _ in range(16):
         gate.record("good", 3, 3, lengths)
-        gate.record("bad", 3, 0, lengths)
     # Two requests in trial promise 1.4x at batch 2 (the margin there: 1.125) ...
-    assert policy.mix_pays(2, gate.mix_gain(["new", "other"], lengths, trial), riders=0)
-    # ... but one of them beside a request that takes no drafts does not draft:
-    # that rider would wait for the other's drafts in every step.
-    assert not policy.mix_pays(2, gate.mix_gain(["new"], lengths, trial), riders=1)
-    # A request the gate has judged counts at its own acceptance.
-    assert gate.mix_gain(["good", "new"], lengths, trial) > gate.mix_gain(["new", "new"],
-                                                                        lengths, trial)
-    assert not policy.mix_pays(2, gate.mix_gain(["bad", "new"], lengths, trial), riders=0)
+    assert pays("new", "other")
+    # ... but not beside a request that takes no drafts: that rider gains a
+    # token a step and waits for the other's drafts in every one.
+    assert not pays("new", "rider", drafting=("new",))
+    # The slowest request decides: a good one does not carry a new one ...
+    for _ in range(16):
+        gate.record("good2", 3, 3, lengths)
+    good_and_new = gate.mix_gain(["good", "new"], {"good", "new"}, lengths, trial)
+    assert good_and_new < gate.mix_gain(["new", "new2"], {"new", "new2"}, lengths, trial)
+    assert good_and_new < gate.mix_gain(["good", "good2"], {"good", "good2"}, lengths, trial)
+    # ... and one refused verification (0 of 3 drafts, the gate's estimate of
+    # its first draft down from the engine's 0.6 to 0.48) stops the batch,
+    # long before the gate would judge the request alone.
+    gate.record("bad", 3, 0, lengths)
+    assert not pays("good", "bad") and gate.pays("bad", 2, lengths)
+
+
+def test_the_slowest_gain_is_that_requests_tokens_over_the_step() -> None:
+    lengths = DraftLength(_costs(1.0, 0.1, 0.2), Acceptance(4, prior=0.6))
+    fast, slow = Acceptance(4, prior=0.9), Acceptance(4, prior=0.3)
+    drafts = lengths.best(2, [fast, slow])
+    step = lengths.costs.speculative(2, drafts)
+    assert lengths.slowest_gain(2, [fast, slow]) == pytest.approx(
+        slow.expected_tokens(drafts) * lengths.costs.plain(2) / step)
+    # A rider gains one token a step.
+    assert lengths.slowest_gain(2, [fast], riders=1) == pytest.approx(
+        lengths.costs.plain(2) / lengths.costs.speculative(2, lengths.best(2, [fast], riders=1)))
 
 
 def test_a_batch_whose_mix_loses_stops_drafting_in_the_engine(

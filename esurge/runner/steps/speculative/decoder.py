@@ -368,8 +368,8 @@ class SpecDecoder:
         drafting = [r for r in req_ids if r not in self.unsynced]
         if lengths is None or trial is None or batch < 2 or not drafting:
             return
-        gain = self.gate.mix_gain(drafting, lengths, trial)
-        if self.policy.mix_pays(batch, gain, riders=batch - len(drafting)):
+        gain = self.gate.mix_gain(req_ids, set(drafting), lengths, trial)
+        if self.policy.mix_pays(batch, gain):
             return
         self._stop(drafting)
         for i in range(batch):
