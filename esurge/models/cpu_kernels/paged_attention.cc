@@ -129,20 +129,24 @@ void StageQueries(const Problem& p, int64_t r0, int64_t rows, int64_t h0, int64_
 // at a time would stride the block by a whole slot per key, and those reads
 // wait on memory where a forward walk streams (measured: the decode step's
 // bfloat16 attention took as long as float32's over twice the bytes).
-void WidenBlock(const Problem& p, const int64_t* slots, int64_t nk, int64_t h0, int64_t h1,
-                Scratch& w) {
+void WidenBlock(const Problem& p, const int64_t* slots, int64_t nk, const int64_t* next,
+                int64_t next_nk, int64_t h0, int64_t h1, Scratch& w) {
   // Each widening load of a key waits on memory (a profile of the 150M model in
   // bfloat16 put three quarters of this function's time on the instruction
   // after it): while slot j's keys are widened, its values and the keys four
   // slots on are fetched (engine 795-804 -> 914-934 tok/s, alternating runs;
-  // the values alone 838-875, with keys two slots on 847-862, eight 909).
+  // the values alone 838-875, with keys two slots on 847-862, eight 909). Four
+  // slots on from a block's last four is in the next block (`next`, next_nk
+  // slots): before, a quarter of the keys were never prefetched.
   const int64_t d = p.dim;
   const int64_t run_bytes = (h1 - h0) * d * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t j = 0; j < nk; ++j) {
     const char* values = reinterpret_cast<const char*>(p.v16 + slots[j] + h0 * d);
     for (int64_t off = 0; off < run_bytes; off += 64) __builtin_prefetch(values + off);
-    if (j + 4 < nk) {
-      const char* keys = reinterpret_cast<const char*>(p.k16 + slots[j + 4] + h0 * d);
+    const int64_t* ahead = j + 4 < nk ? slots + j + 4 : j + 4 - nk < next_nk ? next + j + 4 - nk
+                                                                            : nullptr;
+    if (ahead != nullptr) {
+      const char* keys = reinterpret_cast<const char*>(p.k16 + *ahead + h0 * d);
       for (int64_t off = 0; off < run_bytes; off += 64) __builtin_prefetch(keys + off);
     }
     for (int64_t h = h0; h < h1; ++h) {
@@ -192,16 +196,24 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h0, int64_t h
 #else
   const bool transpose = false;
 #endif
-  // No software prefetch of the next block's pages: measured slower at both one
-  // and two threads (prefetches fill the line buffers the loads need).
+  // No software prefetch of a whole next block's pages at once: measured slower
+  // at both one and two threads (prefetches fill the line buffers the loads
+  // need). A bfloat16 block's widening prefetches slot by slot, into the next
+  // block's slots near its end, so each block's slots are found one block early.
   KeyBlock blk;
-  int64_t slots[kKeyBlock];
+  int64_t offsets[2][kKeyBlock];
+  int64_t* slots = offsets[0];
+  int64_t* next = offsets[1];
+  if (kmin <= kmax) {
+    SlotOffsets(p, table, kmin, std::min<int64_t>(kKeyBlock, kmax - kmin + 1), slots);
+  }
   for (int64_t kb = kmin; kb <= kmax; kb += kKeyBlock) {
     const int64_t nk = std::min<int64_t>(kKeyBlock, kmax - kb + 1);
+    const int64_t next_nk = std::clamp<int64_t>(kmax - kb - kKeyBlock + 1, 0, kKeyBlock);
+    if (next_nk > 0) SlotOffsets(p, table, kb + kKeyBlock, next_nk, next);
     blk.kb = kb;
     blk.nk = nk;
-    SlotOffsets(p, table, kb, nk, slots);
-    if (p.k16 != nullptr) WidenBlock(p, slots, nk, h0, h1, w);
+    if (p.k16 != nullptr) WidenBlock(p, slots, nk, next, next_nk, h0, h1, w);
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t j = 0; j < nk; ++j) {
         if (p.k16 != nullptr) {
@@ -221,6 +233,7 @@ void AttendBlock(const Problem& p, int64_t r0, int64_t r1, int64_t h0, int64_t h
                        w.m.data() + base, w.l.data() + base};
       ForEachLaneTile(p, view, blk, first, last, rows, group, lanes, transpose);
     }
+    std::swap(slots, next);
   }
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t i = 0; i < rows; ++i) {
