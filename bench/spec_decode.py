@@ -17,13 +17,17 @@ adaptive policy chooses each step's count, 1 to k) over its timed runs.
     .venv/bin/python bench/spec_decode.py [--k 4] [--repeats 2] [--batches 1,4,16]
         [--buckets 4,16]
         [--dtype float32] [--speculation adaptive] [--prompts stdlib|random|chat]
-        [--rounds 2] [--scheduling async|sync] [--model M --head H] [--paired]
+        [--rounds 2] [--scheduling async|sync] [--model M --head H] [--paired [--control]]
 
 --paired runs both engines in one process instead: each timed set by one
 engine then the other on the same prompts (the first alternating), medians
 of --repeats pairs. Two processes of the same engine differ by a few percent
 on a CPU, more than the differences a 0.97x criterion needs; pairs in one
 process do not carry that.
+--control (with --paired) builds a second plain engine in the Eagle one's
+place: the same table then shows what the pairing measures between two
+identical engines (their order of creation included), the floor under any
+ratio it reports.
 
 The default model with its head: --model smollm2-135m-instruct
 --head models/smollm2-eagle --prompts chat.
@@ -170,8 +174,9 @@ def measure_paired(args: argparse.Namespace) -> list[dict[str, float]]:
     pairs do not carry that, so this resolves differences of a few percent."""
     batches = [int(b) for b in args.batches.split(",")]
     asynchronous = args.scheduling == "async"
+    second = None if args.control else args.head
     engines = [make_engine(args.model, head, args.k, request_buckets(args), args.dtype,
-                           args.speculation, asynchronous) for head in (None, args.head)]
+                           args.speculation, asynchronous) for head in (None, second)]
     rows = []
     try:
         pool, cursor = prompt_pool(args, batches), 0
@@ -179,7 +184,8 @@ def measure_paired(args: argparse.Namespace) -> list[dict[str, float]]:
             for llm in engines:  # first-touch effects off the clock
                 timed_generate(llm, pool[cursor:cursor + batch])
             cursor += batch
-            engines[1].runner.spec.stats.reset()
+            if not args.control:
+                engines[1].runner.spec.stats.reset()
             times: list[list[float]] = [[], []]
             for repeat in range(args.repeats):
                 prompts = pool[cursor:cursor + batch]
@@ -188,7 +194,8 @@ def measure_paired(args: argparse.Namespace) -> list[dict[str, float]]:
                     times[which].append(timed_generate(engines[which], prompts))
             speedups = [p / e for p, e in zip(*times, strict=True)]
             plain, eagle = statistics.median(times[0]), statistics.median(times[1])
-            spec = spec_row(engines[1], batch)
+            spec = ({"acceptance": 0.0, "drafts": 0.0} if args.control
+                    else spec_row(engines[1], batch))
             rows.append({"batch": batch, "plain_tok_s": batch * NEW_TOKENS / plain,
                          "eagle_tok_s": batch * NEW_TOKENS / eagle, "speedup": plain / eagle,
                          "paired_median": statistics.median(speedups),
@@ -288,6 +295,9 @@ def main() -> int:
     p.add_argument("--prompts", default="stdlib", choices=("stdlib", "random", "chat"),
                    help="held-out stdlib code (drafts often accepted), random token ids "
                         "(rarely), or chat prompts on held-out topics (a chat model's head)")
+    p.add_argument("--control", action="store_true",
+                   help="with --paired: a second plain engine in the Eagle one's place, "
+                        "so the table shows what pairing itself measures")
     p.add_argument("--paired", action="store_true",
                    help="both engines in this process, each timed set run by both back to "
                         "back, --repeats pairs per batch size; medians instead of bests")
@@ -303,10 +313,13 @@ def main() -> int:
         if not (path / "config.json").is_file() and path.suffix != ".gguf":
             p.error(f"{path} has no config.json (train it first: tools/train_default.py, "
                     "tools/train_eagle.py)")
+    if args.control and not args.paired:
+        p.error("--control needs --paired")
     rows = measure_paired(args) if args.paired else run(args)
     kept, each = (("medians", f"pair, median (range) of {args.repeats}") if args.paired
                   else ("bests", f"round, median (range) of {args.rounds}"))
-    print(f"\n| batch | plain tok/s | Eagle tok/s | speedup ({kept}) | speedup per {each} | "
+    second = "second plain" if args.control else "Eagle"
+    print(f"\n| batch | plain tok/s | {second} tok/s | speedup ({kept}) | speedup per {each} | "
           "mean acceptance length | drafts per verification |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
