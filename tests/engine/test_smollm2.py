@@ -145,9 +145,12 @@ def test_a_batch_of_chats_is_admitted_in_one_step(engine: eSurge) -> None:
     scheduled = sorted(o.metrics.first_scheduled_time for o in outputs)
     # One scheduler pass takes microseconds, a step of this model milliseconds.
     together = sum(t - scheduled[0] < 1e-3 for t in scheduled)
-    chunked = engine.config.scheduler_config.chunked_prefill_enabled
-    # Chunked: 16 prompt tokens a request and 32 a step.
-    assert together == (2 if chunked else len(CHATS))
+    if engine.config.scheduler_config.chunked_prefill_enabled:
+        # 16 prompt tokens a request and 32 a step: at least two requests start
+        # together (more where earlier tests left their prefixes in the cache).
+        assert together >= 2
+    else:
+        assert together == len(CHATS)
 
 
 CAPITAL_SCHEMA = {
