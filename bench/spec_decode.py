@@ -80,11 +80,11 @@ def held_out_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
 def random_prompts(model_dir: Path, count: int, seed: int) -> list[list[int]]:
     """Prompts of uniformly random token ids: text no model predicts, so the
     head's drafts are rarely accepted (the case speculation must not lose)."""
-    import json as json_
-
     import numpy as np
 
-    vocab = json_.loads((model_dir / "config.json").read_text())["vocab_size"]
+    from esurge.models.checkpoint import open_checkpoint
+
+    vocab = open_checkpoint(model_dir).hf_config().vocab_size  # a GGUF has no config.json
     rng = np.random.default_rng(seed)
     return rng.integers(3, vocab, size=(count, PROMPT_TOKENS)).tolist()
 
