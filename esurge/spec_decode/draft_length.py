@@ -236,7 +236,7 @@ class DraftLength:
     def slowest_gain(self, batch: int, requests: Sequence[Acceptance], riders: int = 0) -> float:
         """What a speculative step at the best draft count for the batch (`best`)
         gains its slowest request against a plain step: its expected tokens
-        over the steps' seconds (a rider's: one token)."""
+        over the step's seconds (a rider's: one token)."""
         drafts = self.best(batch, requests, riders)
         slowest = min((a.expected_tokens(drafts) for a in requests), default=1.0)
         tokens = 1.0 if riders else slowest
