@@ -228,8 +228,9 @@ class AdaptiveSpeculation(SpeculationPolicy):
         the margin (the step costs plus what real steps of each mode cost
         beyond them: on SmolLM2 on a 2-core CPU, any batch of 4 or more; for
         the 4M test model, every batch once a few speculative steps showed
-        their overhead), nobody drafts. Elsewhere every request tries and the
-        gate stops the drafts of each one they do not pay for. The token
+        their overhead), nobody drafts. Elsewhere every request tries, the
+        gate stops the drafts of each one they do not pay for, and a batch
+        stops drafting once its slowest request would lose (`mix_pays`). The token
         rates of the two modes do not decide here: speculative steps' rate is
         mostly that of the trials the gate stops (on the bench's first, hard
         chats, 111 against 116 tok/s plain: a verdict from the rates, even one

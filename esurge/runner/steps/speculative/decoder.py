@@ -361,9 +361,9 @@ class SpecDecoder:
         return emitted, proposals
 
     def _stop_a_losing_mix(self, req_ids: Sequence[str], proposals: list[Sequence[int]]) -> None:
-        """Stop every request's drafts, for good, where the batch no longer pays
-        as a whole (the gate has judged each request alone, as if all were like
-        it; SpeculationPolicy.mix_pays)."""
+        """Stop every request's drafts, for good, where a speculative step no
+        longer pays the batch's slowest request (each at its own acceptance from
+        its first verification on: RequestGate.mix_gain, SpeculationPolicy.mix_pays)."""
         lengths, trial, batch = self.lengths, self.trial, len(req_ids)
         drafting = [r for r in req_ids if r not in self.unsynced]
         if lengths is None or trial is None or batch < 2 or not drafting:
