@@ -227,21 +227,20 @@ class DraftLength:
         return max(range(1, self.k + 1),
                    key=lambda d: (self.rate(batch, d, requests, riders), -d))
 
-    def predicted_gain(self, batch: int, requests: Sequence[Acceptance] | None = None,
-                       riders: int = 0) -> float:
+    def predicted_gain(self, batch: int, requests: Sequence[Acceptance] | None = None) -> float:
         """The best speculative rate over the plain rate at this batch size (see `rate`)."""
-        drafts = self.best(batch, requests, riders)
-        return self.rate(batch, drafts, requests, riders) / self.rate(batch, 0)
+        return self.rate(batch, self.best(batch, requests), requests) / self.rate(batch, 0)
 
     def slowest_gain(self, batch: int, requests: Sequence[Acceptance], riders: int = 0) -> float:
         """What a speculative step at the best draft count for the batch (`best`)
-        gains its slowest request against a plain step: its expected tokens
-        over the step's seconds (a rider's: one token)."""
+        gains its slowest request against a plain step (a rider: one token a step)."""
         drafts = self.best(batch, requests, riders)
-        slowest = min((a.expected_tokens(drafts) for a in requests), default=1.0)
-        tokens = 1.0 if riders else slowest
-        seconds = self.costs.speculative(batch, drafts) + self.overhead
-        return tokens * (self.costs.plain(batch) + self.plain_overhead) / max(seconds, 1e-9)
+        if riders or not requests:
+            slowest = self.rate(batch, drafts, requests, riders=batch)  # a token each
+        else:
+            worst = min(requests, key=lambda a: a.expected_tokens(drafts))
+            slowest = self.rate(batch, drafts, (worst,))
+        return slowest / self.rate(batch, 0)
 
     def observe(self, batch: int, drafts: int, seconds: float) -> None:
         """A measured decode step with `drafts` drafts a request (0: plain): moves

@@ -179,9 +179,8 @@ def test_a_batch_drafts_while_its_slowest_request_pays() -> None:
     # The slowest request decides: a good one does not carry a new one ...
     for _ in range(16):
         gate.record("good2", 3, 3, lengths)
-    good_and_new = gate.mix_gain(["good", "new"], {"good", "new"}, lengths, trial)
-    assert good_and_new < gate.mix_gain(["new", "new2"], {"new", "new2"}, lengths, trial)
-    assert good_and_new < gate.mix_gain(["good", "good2"], {"good", "good2"}, lengths, trial)
+    assert (gate.mix_gain(["good", "new"], {"good", "new"}, lengths, trial)
+            < gate.mix_gain(["good", "good2"], {"good", "good2"}, lengths, trial))
     # ... and one refused verification (0 of 3 drafts, the gate's estimate of
     # its first draft down from the engine's 0.6 to 0.48) stops the batch,
     # long before the gate would judge the request alone.

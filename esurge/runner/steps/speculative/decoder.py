@@ -396,7 +396,7 @@ class SpecDecoder:
                   step: SpecStep, drafts: ReadOnce) -> Sequence[int]:
         """Request i's proposals (as many as allowed_count lets through), left
         where they wait on the device."""
-        count = allowed_count(ib, inputs, i, num_emitted, min(step.count, self.num_spec))
+        count = allowed_count(ib, inputs, i, num_emitted, step.count)
         if not count or step.slots is None:
             return []
         return self.slots.on_device(int(step.slots[i]), step.generation, count, drafts, i)

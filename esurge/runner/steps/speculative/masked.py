@@ -89,8 +89,7 @@ def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
     if probs:
         missing = [jnp.zeros_like(probs[0])] * (spec.num_spec - len(probs))
         spec.store_probs(ib, inputs, step.propose, jnp.stack(probs + missing, axis=1))
-    return [p[:allowed_count(ib, inputs, i, len(emitted[i]), min(len(p), spec.num_spec))]
-            if p else []
+    return [p[:allowed_count(ib, inputs, i, len(emitted[i]), len(p))] if p else []
             for i, p in enumerate(proposals)]
 
 
