@@ -19,6 +19,8 @@ import torch
 
 from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
 from esurge.engine.chat import ChatPrompt
+from esurge.models import cpu_kernels
+from esurge.models.loader import codes_in_bfloat16
 from esurge.packaged import DEFAULT_MODEL, fetch_packaged
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -63,8 +65,9 @@ def prompt_ids(hf: tuple[Any, Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(hf: tuple[Any, Any], prompt_ids: list[list[int]]
-              ) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens and their logprobs for each prompt."""
+              ) -> list[tuple[list[int], list[float], np.ndarray]]:
+    """transformers' greedy tokens, their logprobs and each step's logits
+    ([steps, vocab]) for each prompt."""
     _, model = hf
     out = []
     with torch.no_grad():
@@ -79,7 +82,8 @@ def reference(hf: tuple[Any, Any], prompt_ids: list[list[int]]
             tokens = gen.sequences[0, len(ids):].tolist()
             logprobs = [float(torch.log_softmax(step[0].double(), -1)[t])
                         for step, t in zip(gen.logits, tokens, strict=True)]
-            out.append((tokens, logprobs))
+            logits = np.stack([step[0].float().numpy() for step in gen.logits])
+            out.append((tokens, logprobs, logits))
     return out
 
 
@@ -94,7 +98,10 @@ def _config(chunked: bool) -> Config:
 
 @pytest.fixture(scope="module", params=[True, False], ids=["chunked", "unchunked"])
 def engine(request: pytest.FixtureRequest, gguf_path: Path) -> Iterator[eSurge]:
-    llm = eSurge(gguf_path, _config(request.param), show_progress=False, warmup=False)
+    # float32: the serving transformers' float32 reference pins to the last token
+    # (auto serves bfloat16 where the CPU multiplies the codes natively).
+    llm = eSurge(gguf_path, _config(request.param), show_progress=False, warmup=False,
+                 dtype="float32")
     yield llm
     llm.shutdown()
 
@@ -103,9 +110,11 @@ def _prompts() -> list[Any]:
     return [*RAW, *(ChatPrompt.of(c) for c in CHATS)]
 
 
-def _check(outputs: list[Any], prompt_ids: list[list[int]],
-           reference: list[tuple[list[int], list[float]]]) -> None:
-    for output, ids, (tokens, logprobs) in zip(outputs, prompt_ids, reference, strict=True):
+Reference = list[tuple[list[int], list[float], np.ndarray]]
+
+
+def _check(outputs: list[Any], prompt_ids: list[list[int]], reference: Reference) -> None:
+    for output, ids, (tokens, logprobs, _) in zip(outputs, prompt_ids, reference, strict=True):
         assert output.prompt_token_ids == ids
         completion = output.outputs[0]
         assert completion.token_ids == tokens
@@ -117,12 +126,12 @@ PARAMS = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 
 
 def test_batched_matches_transformers(engine: eSurge, prompt_ids: list[list[int]],
-                                      reference: list[tuple[list[int], list[float]]]) -> None:
+                                      reference: Reference) -> None:
     _check(engine.generate(_prompts(), PARAMS), prompt_ids, reference)
 
 
 def test_one_at_a_time_matches_transformers(engine: eSurge, prompt_ids: list[list[int]],
-                                            reference: list[tuple[list[int], list[float]]]
+                                            reference: Reference
                                             ) -> None:
     outputs = [engine.generate([p], PARAMS)[0] for p in _prompts()]
     _check(outputs, prompt_ids, reference)
@@ -190,16 +199,56 @@ def eagle_engine(gguf_path: Path) -> Iterator[eSurge]:
     config = _config(True)
     config = Config(config.scheduler_config, config.cache_config,
                     SpeculativeConfig(4, str(HEAD)))
-    llm = eSurge(gguf_path, config, show_progress=False, warmup=False, speculation="always")
+    llm = eSurge(gguf_path, config, show_progress=False, warmup=False, speculation="always",
+                 dtype="float32")
     yield llm
     llm.shutdown()
 
 
 def test_the_shipped_head_keeps_the_tokens_and_gets_drafts_accepted(
         eagle_engine: eSurge, prompt_ids: list[list[int]],
-        reference: list[tuple[list[int], list[float]]]) -> None:
+        reference: Reference) -> None:
     _check(eagle_engine.generate(_prompts(), PARAMS), prompt_ids, reference)
     stats = eagle_engine.runner.spec_stats
     assert stats is not None and stats.num_verifications > 0
     # An untrained head gets about 1.0 to 1.07: nearly nothing accepted.
     assert stats.mean_acceptance_length > ACCEPTED_AT_LEAST
+
+
+# A bfloat16 step's logits are within a few percent of the logits' range of
+# float32's (activations rounded to bfloat16 between layers, as transformers
+# does in bfloat16): a token may differ only where float32's own choice won by
+# less than that.
+NEAR_TIE_FRACTION = 0.05
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(gguf_path: Path) -> Iterator[eSurge]:
+    if not cpu_kernels.cpu_has_bf16_dot():
+        pytest.skip("this CPU has no AVX512_BF16: bfloat16 would run on XLA's slow path")
+    llm = eSurge(gguf_path, _config(False), show_progress=False, warmup=False,
+                 dtype="bfloat16")
+    yield llm
+    llm.shutdown()
+
+
+def test_bfloat16_serving_follows_float32_up_to_near_ties(
+        bf16_engine: eSurge, reference: Reference) -> None:
+    # With AVX512_BF16 and no AMX the codes themselves are multiplied in
+    # bfloat16 (coded_bf16_matmul.cc); with AMX they are dequantized at load.
+    coded = bf16_engine.runner.model.config.coded_weights
+    assert bool(coded) == codes_in_bfloat16()
+    outputs = bf16_engine.generate(_prompts(), SamplingParams(temperature=0,
+                                                              max_tokens=NEW_TOKENS,
+                                                              ignore_eos=True))
+    for output, (tokens, _, logits) in zip(outputs, reference, strict=True):
+        mine = output.outputs[0].token_ids
+        if mine == tokens:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b)
+        step = logits[at]
+        margin = float(step[tokens[at]] - step[mine[at]])
+        spread = float(step.max() - step.min())
+        assert margin <= NEAR_TIE_FRACTION * spread, (
+            f"token {at}: {mine[at]} against float32's {tokens[at]}, which wins by "
+            f"{margin:.3f} (not a near-tie: spread {spread:.1f})")

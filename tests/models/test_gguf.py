@@ -17,7 +17,7 @@ import torch
 
 from esurge import CacheConfig, Config, SamplingParams, SchedulerConfig, eSurge
 from esurge.models.gguf_file import UnsupportedGGUFError
-from esurge.models.loader import load_model
+from esurge.models.loader import codes_in_bfloat16, load_model
 from tests.models.checkpoints import build_model, hf_config, save_checkpoint
 from tests.models.gguf_export import export_gguf
 
@@ -69,7 +69,9 @@ def _transformers_greedy(path: Path) -> list[list[int]]:
 
 def _ours_greedy(path: Path) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    with eSurge(path, CONFIG, show_progress=False, warmup=False) as llm:
+    # float32, as the reference: auto serves a quantized file in bfloat16 where
+    # the CPU multiplies its codes natively (test_coded_bf16, test_bf16_kernels).
+    with eSurge(path, CONFIG, show_progress=False, warmup=False, dtype="float32") as llm:
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
@@ -124,13 +126,27 @@ def test_config_and_weights_come_from_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("qtype", "stored"), [(Q.Q8_0, "quantized"), (Q.F16, "float16"),
                                                (Q.F32, "float32")])
-def test_auto_dtype_on_cpu_is_float32_and_says_why(qtype: Q, stored: str,
-                                                   tmp_path: Path) -> None:
+def test_auto_dtype_on_cpu_is_float32_and_says_why(qtype: Q, stored: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a CPU without AVX512_BF16 (a quantized file's codes are multiplied
+    # in bfloat16 where the CPU has it: test_quantized_auto_dtype_...).
+    monkeypatch.setenv("ESURGE_BF16_KERNELS", "0")
     loaded = load_model(_write(tmp_path, "llama", qtype), fuse=False)
     assert loaded.dtype == "float32"
     assert loaded.dtype_reason.startswith(f"{stored} checkpoint")
     assert ("upcast" in loaded.dtype_reason) == (stored != "float32")
     assert load_model(tmp_path / "llama.gguf", "bfloat16", fuse=False).dtype == "bfloat16"
+
+
+def test_quantized_auto_dtype_is_bfloat16_where_its_codes_multiply_natively(
+        tmp_path: Path) -> None:
+    loaded = load_model(_write(tmp_path, "llama", Q.Q4_1), fuse=False)
+    if codes_in_bfloat16():  # AVX512_BF16, the kernels built, no AMX
+        assert loaded.dtype == "bfloat16"
+        assert loaded.dtype_reason.startswith("quantized checkpoint; this CPU's native bfloat16")
+    else:
+        assert loaded.dtype == "float32"
+        assert loaded.dtype_reason.startswith("quantized checkpoint upcast")
 
 
 def _one_tensor_file(path: Path, arch: str, name: str, data: np.ndarray,

@@ -12,7 +12,9 @@ expanded to float32 in cache (through the same register tiles,
 float32 (half the bytes of upcast panels, widened in registers).
 `bf16_matmul.cc` multiplies bfloat16 panels with the CPU's
 own bfloat16 dot products (AMX tiles, AVX512_BF16), built where the CPU has
-them (`cpu_has_bf16_dot`). All share `parallel_for.h`. The shared library is compiled
+them (`cpu_has_bf16_dot`), and `coded_bf16_matmul.cc` a GGUF's codes the
+same way (VDPBF16PS on the codes themselves, the blocks' scales applied to
+the sums). All share `parallel_for.h`. The shared library is compiled
 once per (sources, compiler, CPU) into a cache directory and its handlers
 registered as XLA FFI targets; `kernel_available()` is False, with one
 warning in the log, when that is impossible (no compiler, a failed build),
@@ -48,6 +50,7 @@ __all__ = [
     "BF16_CACHE_TARGET",
     "BF16_F32_TARGET",
     "BF16_TARGET",
+    "CODED_BF16_TARGET",
     "CODED_TARGET",
     "MATMUL_TARGET",
     "PANEL",
@@ -75,12 +78,13 @@ CODED_TARGET = "esurge_coded_matmul"
 WIDENED_TARGET = "esurge_widened_matmul"  # bfloat16 panels, float32 arithmetic
 BF16_TARGET = "esurge_bf16_matmul"
 BF16_F32_TARGET = "esurge_bf16_matmul_f32"  # float32 results: row-parallel partial sums
+CODED_BF16_TARGET = "esurge_coded_bf16_matmul"  # integer codes, bfloat16 dot products
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc",
-            _HERE / "widened_matmul.cc", _HERE / "bf16_matmul.cc")
-_HEADERS = (_HERE / "attention_tiles.h", _HERE / "fast_exp.h", _HERE / "panel_call.h",
-            _HERE / "panel_tiles.h", _HERE / "parallel_for.h")
+            _HERE / "widened_matmul.cc", _HERE / "bf16_matmul.cc", _HERE / "coded_bf16_matmul.cc")
+_HEADERS = (_HERE / "attention_tiles.h", _HERE / "bf16_store.h", _HERE / "fast_exp.h",
+            _HERE / "panel_call.h", _HERE / "panel_tiles.h", _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-fPIC")
 _LINK_FLAGS = ("-shared",)
@@ -204,6 +208,8 @@ def _load() -> bool:
                                     platform="cpu")
         jax.ffi.register_ffi_target(BF16_F32_TARGET,
                                     jax.ffi.pycapsule(lib.EsurgeBf16MatmulF32), platform="cpu")
+        jax.ffi.register_ffi_target(CODED_BF16_TARGET,
+                                    jax.ffi.pycapsule(lib.EsurgeCodedBf16Matmul), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("CPU kernels unavailable (%s); using the pure-JAX paths",
@@ -307,7 +313,7 @@ def attention_kernel_serves(dtype: jnp.dtype | str) -> bool:
 
 
 def coded_matmul_kernel(
-    x: jax.Array,  # [M, K] float32
+    x: jax.Array,  # [M, K] float32, or bfloat16 (a CPU with native bfloat16 dot products)
     codes: jax.Array,  # [P, K, 16] (bits 4) or [P, K, 32] (bits 8) uint8
     scale: jax.Array,  # [P, K / 32, PANEL] float32
     offset: jax.Array,  # [P, K / 32, PANEL] float32
@@ -315,11 +321,14 @@ def coded_matmul_kernel(
     bits: int,
     num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
     silu_mul: bool = False,
-) -> jax.Array:  # [M, N] float32
-    """x @ W with W as integer codes in column panels (see coded_matmul.cc)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32)
+) -> jax.Array:  # [M, N] x's dtype
+    """x @ W with W as integer codes in column panels: coded_matmul.cc in
+    float32, coded_bf16_matmul.cc in bfloat16 (dot products of the codes
+    themselves, the blocks' scales applied to the sums, one rounding)."""
+    target = CODED_BF16_TARGET if x.dtype == jnp.bfloat16 else CODED_TARGET
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
-    return jax.ffi.ffi_call(CODED_TARGET, out)(x, codes, scale, offset, rows,
+    return jax.ffi.ffi_call(target, out)(x, codes, scale, offset, rows,
                                                silu_mul=silu_mul, bits=np.int64(bits))
 
 

@@ -31,7 +31,7 @@
 #include <cstring>
 #include <mutex>
 
-#include "fast_exp.h"
+#include "bf16_store.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -50,8 +50,11 @@ namespace {
 
 #if defined(__AVX512BF16__)
 
-constexpr int kPanel = 32;    // output columns per panel (packed_linear.PANEL)
-constexpr int kHalf = 16;     // a result vector's columns: half a panel
+using esurge_kernels::bf16::kHalf;
+using esurge_kernels::bf16::kPanel;
+using esurge_kernels::bf16::Output;
+using esurge_kernels::bf16::StoreRow;
+
 constexpr int kRowTile = 8;   // rows per AVX512_BF16 register tile
 constexpr int64_t kRowChunk = 256;
 constexpr int kPrefetchPairs = 64;  // see DotItems
@@ -59,53 +62,10 @@ constexpr int kPrefetchPairs = 64;  // see DotItems
 struct Problem {
   const uint16_t* x;  // [M, K]
   const uint16_t* w;  // [P, K / 2, 64]
-  uint16_t* y;        // [M, N] bfloat16 results, or null when y32 takes them
-  float* y32;         // [M, N] float32 results (a row-parallel shard's partial sum)
+  Output out;         // y [M, N] bfloat16, or y32 float32 (a row-parallel shard's partial sum)
   int64_t padded_m;   // M: the rows x has (reads never pass them)
-  int64_t m, k, n;    // m: the real rows
-  bool silu_mul;
+  int64_t m, k;       // m: the real rows
 };
-
-// 16 float32 results rounded to bfloat16 (to nearest even), then stored.
-inline void StoreBf16(const float* in, uint16_t* out, int64_t width) {
-  const __m256bh packed = _mm512_cvtneps_pbh(_mm512_loadu_ps(in));
-  if (width == kHalf) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)packed);
-    return;
-  }
-  uint16_t lanes[kHalf];
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), (__m256i)packed);
-  std::memcpy(out, lanes, sizeof(uint16_t) * width);
-}
-
-// Up to 16 results at y[at:], in the output's dtype.
-inline void StoreAt(const Problem& pb, int64_t at, const float* in, int64_t width) {
-  if (pb.y32 != nullptr) {
-    std::memcpy(pb.y32 + at, in, sizeof(float) * width);
-  } else {
-    StoreBf16(in, pb.y + at, width);
-  }
-}
-
-// One row of a panel's results (gate then up halves with silu_mul) into y.
-inline void StoreRow(const Problem& pb, int64_t row, int64_t p, const float* first,
-                     const float* second) {
-  if (pb.silu_mul) {
-    const int64_t col = p * kHalf;
-    float act[kHalf];
-    for (int j = 0; j < kHalf; ++j) {
-      const float g = first[j];
-      const float e = esurge_kernels::ExpNonPositive(-std::fabs(g));
-      const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-      act[j] = g * sigmoid * second[j];
-    }
-    StoreAt(pb, row * pb.n + col, act, std::min<int64_t>(kHalf, pb.n - col));
-    return;
-  }
-  const int64_t col = p * kPanel, at = row * pb.n + col;
-  StoreAt(pb, at, first, std::clamp<int64_t>(pb.n - col, 0, kHalf));
-  if (pb.n - col > kHalf) StoreAt(pb, at + kHalf, second, std::min<int64_t>(kHalf, pb.n - col - kHalf));
-}
 
 // MR rows x one panel with VDPBF16PS over input pairs [j0, j1): per pair,
 // the panel's two vectors of 16 column pairs, and each row's pair
@@ -143,7 +103,7 @@ void DotTile(const Problem& pb, int64_t r0, int64_t p, int64_t j0, int64_t j1, b
     float* hi = done ? second : carry + r * kPanel + kHalf;
     _mm512_storeu_ps(lo, acc[r][0]);
     _mm512_storeu_ps(hi, acc[r][1]);
-    if (done) StoreRow(pb, r0 + r, p, first, second);
+    if (done) StoreRow(pb.out, r0 + r, p, first, second);
   }
 }
 
@@ -271,7 +231,7 @@ void AmxBlock(const Problem& pb, int64_t r0, int blocks, int64_t p, uint16_t* st
     for (int i = 0; i < kTileRows; ++i) {
       const int64_t row = r0 + b * kTileRows + i;
       if (row >= pb.m) return;
-      StoreRow(pb, row, p, c[2 * b][i], c[2 * b + 1][i]);
+      StoreRow(pb.out, row, p, c[2 * b][i], c[2 * b + 1][i]);
     }
   }
 }
@@ -320,13 +280,13 @@ ffi::Error Bf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffe
     return ffi::Error::InvalidArgument("bf16 matmul: shapes do not match");
   }
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  const Problem pb{x.typed_data(), w.typed_data(), y16, y32, xd[0], rows, xd[1], yd[1],
-                   silu_mul};
-  const int64_t padding = (xd[0] - rows) * pb.n;
+  const Problem pb{x.typed_data(), w.typed_data(), Output{y16, y32, yd[1], silu_mul}, xd[0],
+                   rows, xd[1]};
+  const int64_t padding = (xd[0] - rows) * yd[1];
   if (y32 != nullptr) {
-    std::memset(y32 + rows * pb.n, 0, sizeof(float) * padding);
+    std::memset(y32 + rows * yd[1], 0, sizeof(float) * padding);
   } else {
-    std::memset(y16 + rows * pb.n, 0, sizeof(uint16_t) * padding);
+    std::memset(y16 + rows * yd[1], 0, sizeof(uint16_t) * padding);
   }
   const int64_t num_panels = wd[0];
   const int64_t items = (rows + kRowChunk - 1) / kRowChunk * num_panels;
