@@ -3,8 +3,8 @@
 The kernel's promise: the float32 product of the bfloat16 activations with the
 exact dequantized weight (the codes are never rounded), rounded once to
 bfloat16. So the result is within half a bfloat16 unit of that product plus
-float32 accumulation noise, whichever row count (one pass over the codes up to
-12 rows, expanded pairs beyond) and with padding rows left zero. A model served
+float32 accumulation noise, whichever row count (tiles of up to 12 rows, one
+or several) and with padding rows left zero. A model served
 so follows its float32 serving (test_bf16_kernels:
 test_a_quantized_gguf_served_in_bfloat16_follows_its_float32_serving).
 """
