@@ -252,3 +252,22 @@ def test_bfloat16_serving_follows_float32_up_to_near_ties(
         assert margin <= NEAR_TIE_FRACTION * spread, (
             f"token {at}: {mine[at]} against float32's {tokens[at]}, which wins by "
             f"{margin:.3f} (not a near-tie: spread {spread:.1f})")
+
+
+def test_bfloat16_with_the_head_drafting_gives_bfloat16s_own_tokens(
+        bf16_engine: eSurge, gguf_path: Path) -> None:
+    # Greedy tokens must not depend on speculation in bfloat16 either: a
+    # verified position once scored its keys in another order than a decoded
+    # one, and 8 of 12 chats drifted apart.
+    from esurge import SpeculativeConfig
+
+    config = _config(False)
+    config = Config(config.scheduler_config, config.cache_config,
+                    SpeculativeConfig(4, str(HEAD)))
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in bf16_engine.generate(_prompts(), params)]
+    with eSurge(gguf_path, config, show_progress=False, warmup=False, speculation="always",
+                dtype="bfloat16") as eagle:
+        drafted = [o.outputs[0].token_ids for o in eagle.generate(_prompts(), params)]
+        assert eagle.runner.spec_stats.num_accepted_tokens > 0
+    assert drafted == plain

@@ -315,3 +315,23 @@ def test_decode_rows_of_many_requests_over_a_bfloat16_cache() -> None:
         want = dense_reference(q[r], rounded(keys[r, :n]), rounded(values[r, :n]), n - 1,
                                None, None, None)
         np.testing.assert_allclose(np.asarray(out)[r], want, atol=2e-5, err_msg=f"row {r}")
+
+
+@pytest.mark.usefixtures("cpu_kernels_built")
+@pytest.mark.parametrize("dtype", [
+    pytest.param("bfloat16", marks=native), "float32"])
+def test_a_position_scores_the_same_decoded_alone_or_verified_among_rows(
+        dtype: str, bf16_checkpoints: Callable[[str], Path]) -> None:
+    # A decode row's 2 query lanes score keys directly; 5 rows of one request
+    # (a speculative step's verification) take the transposed key block. Both
+    # must give the same bits: in bfloat16 the old transposed order moved
+    # greedy tokens with speculation on.
+    model = load_model(bf16_checkpoints("llama"), dtype)
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 250, 15)]
+    alone, together = PagedSession(model), PagedSession(model)
+    alone.step([Row("r", ids[:10], 0)])
+    one_by_one = [alone.step([Row("r", [ids[10 + i]], 10 + i)])[0][0] for i in range(5)]
+    together.step([Row("r", ids[:10], 0)])
+    verified = together.step([Row("r", ids[10:], 10, 5)])[0]
+    for i in range(5):
+        np.testing.assert_array_equal(verified[i], one_by_one[i], err_msg=f"position {10 + i}")

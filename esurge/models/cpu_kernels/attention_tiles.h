@@ -220,6 +220,49 @@ inline Scores ScoreKeysAnyDim(const float* q, const KeyBlock& blk, int64_t d) {
   }
 }
 
+// Tile lanes' scores against a transposed key block (kt [D, kKeyBlock]), in
+// exactly ScoreKeys' order: lane l of a key's partial products takes inputs
+// l, l + 16, ... as one multiply-add chain (the tail, for a D that 16 does
+// not divide, added to lane 0's), and the sixteen partials are added in
+// SumEach's tree (l with l + 8, then 4 apart, 2, 1). So a row's scores, and
+// everything after them, are the same bits whichever path its step takes: a
+// decode row (direct) and the same position among a speculative step's
+// verified rows (transposed) got different roundings, and bfloat16 models
+// then drifted apart in their greedy tokens with and without speculation.
+// Each loaded key row feeds every lane of the tile.
+template <int Tile>
+inline void ScoreTransposed(const float* qs, int64_t d, const float* kt,
+                            float (&s)[Tile][kKeyBlock]) {
+  const int64_t whole = d / kKeyBlock * kKeyBlock;
+  constexpr int kHalfBlock = kKeyBlock / 2;
+  Scores pairs[Tile][kHalfBlock];  // partial m plus partial m + 8
+  for (int m = 0; m < kHalfBlock; ++m) {
+    Scores lo[Tile] = {}, hi[Tile] = {};
+    for (int64_t e = m; e < whole; e += kKeyBlock) {
+      const Scores k_lo = LoadScores(kt + e * kKeyBlock);
+      const Scores k_hi = LoadScores(kt + (e + kHalfBlock) * kKeyBlock);
+      for (int u = 0; u < Tile; ++u) {
+        lo[u] += qs[u * d + e] * k_lo;
+        hi[u] += qs[u * d + e + kHalfBlock] * k_hi;
+      }
+    }
+    if (m == 0 && whole < d) {
+      for (int u = 0; u < Tile; ++u) {
+        Scores tail = {};
+        for (int64_t e = whole; e < d; ++e) tail += qs[u * d + e] * LoadScores(kt + e * kKeyBlock);
+        lo[u] += tail;
+      }
+    }
+    for (int u = 0; u < Tile; ++u) pairs[u][m] = lo[u] + hi[u];
+  }
+  for (int u = 0; u < Tile; ++u) {
+    Scores* b = pairs[u];
+    for (int n = 0; n < 4; ++n) b[n] += b[n + 4];
+    for (int o = 0; o < 2; ++o) b[o] += b[o + 2];
+    StoreScores(s[u], b[0] + b[1]);
+  }
+}
+
 // Folds one key block into lanes [0, lanes) (a lane is a (row, query head)
 // pair; lanes past `lanes` are padding), Tile lanes at a time so each loaded
 // key vector and value chunk feeds Tile accumulators.
@@ -240,12 +283,7 @@ void AttendLanes(const Problem& p, const Lanes& w, const KeyBlock& blk, const in
     }
     if (!any) continue;  // nothing visible to these lanes here
     if (transpose) {
-      Scores sv[Tile] = {};
-      for (int64_t e = 0; e < d; ++e) {
-        const Scores kv = LoadScores(w.kt + e * kKeyBlock);
-        for (int u = 0; u < Tile; ++u) sv[u] += w.qs[(l0 + u) * d + e] * kv;
-      }
-      for (int u = 0; u < Tile; ++u) StoreScores(s[u], sv[u]);
+      ScoreTransposed<Tile>(w.qs + l0 * d, d, w.kt, s);
     } else {
       for (int u = 0; u < Tile; ++u) {
         const Scores sv = live[u] ? ScoreKeysAnyDim(w.qs + (l0 + u) * d, blk, d) : Scores{};
