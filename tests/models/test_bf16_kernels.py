@@ -320,13 +320,14 @@ def test_decode_rows_of_many_requests_over_a_bfloat16_cache() -> None:
 @pytest.mark.usefixtures("cpu_kernels_built")
 @pytest.mark.parametrize("dtype", [
     pytest.param("bfloat16", marks=native), "float32"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # head_dim 16 and 24 (a tail)
 def test_a_position_scores_the_same_decoded_alone_or_verified_among_rows(
-        dtype: str, bf16_checkpoints: Callable[[str], Path]) -> None:
+        dtype: str, family: str, bf16_checkpoints: Callable[[str], Path]) -> None:
     # A decode row's 2 query lanes score keys directly; 5 rows of one request
     # (a speculative step's verification) take the transposed key block. Both
     # must give the same bits: in bfloat16 the old transposed order moved
     # greedy tokens with speculation on.
-    model = load_model(bf16_checkpoints("llama"), dtype)
+    model = load_model(bf16_checkpoints(family), dtype)
     ids = [int(t) for t in np.random.default_rng(5).integers(3, 250, 15)]
     alone, together = PagedSession(model), PagedSession(model)
     alone.step([Row("r", ids[:10], 0)])

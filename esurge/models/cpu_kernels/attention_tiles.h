@@ -203,7 +203,9 @@ inline Scores ScoreKeys(const float* q, const KeyBlock& blk, int64_t d) {
           acc += LoadScores(q + e) * LoadScores(k + e);
         }
         float tail = 0.f;
-        for (int64_t e = whole; e < d; ++e) tail += q[e] * k[e];
+        // Explicit multiply-adds, as ScoreTransposed's tail: left to contraction
+        // the two compiled to different roundings (head_dim 24).
+        for (int64_t e = whole; e < d; ++e) tail = std::fma(q[e], k[e], tail);
         acc[0] += tail;
       }
       part[j] = acc;
@@ -249,7 +251,10 @@ inline void ScoreTransposed(const float* qs, int64_t d, const float* kt,
     if (m == 0 && whole < d) {
       for (int u = 0; u < Tile; ++u) {
         Scores tail = {};
-        for (int64_t e = whole; e < d; ++e) tail += qs[u * d + e] * LoadScores(kt + e * kKeyBlock);
+        for (int64_t e = whole; e < d; ++e) {
+          const Scores kv = LoadScores(kt + e * kKeyBlock);
+          for (int j = 0; j < kKeyBlock; ++j) tail[j] = std::fma(qs[u * d + e], kv[j], tail[j]);
+        }
         lo[u] += tail;
       }
     }
