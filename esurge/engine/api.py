@@ -22,7 +22,7 @@ from esurge.engine.chat import ChatMessage, ChatPrompt, ChatTemplate
 from esurge.engine.compile_cache import enable_compile_cache
 from esurge.engine.core import EngineCore
 from esurge.engine.inputs import InputProcessor, Prompt
-from esurge.engine.loop import EngineDeadError, EngineLoop
+from esurge.engine.loop import EngineDeadError, EngineLoop, Submission
 from esurge.engine.multihost.cluster import join_cluster
 from esurge.engine.multihost.lockstep import (
     LockstepExecutor,
@@ -228,16 +228,19 @@ class eSurge:
         Input errors that need no engine state still raise ValueError at once.
         final_only: the callback gets the finished RequestOutput (or the
         engine's error) only, not a RequestDelta per step."""
-        rid, queue_it = self._staged(prompt, sampling_params, callback, request_id=request_id,
-                                     priority=priority, cache_salt=cache_salt,
-                                     final_only=final_only)
-        return rid, queue_it()
+        rid, stage = self._staged(prompt, sampling_params, callback, request_id=request_id,
+                                  priority=priority, cache_salt=cache_salt,
+                                  final_only=final_only)
+        submission = stage()
+        self._loop.submit_all([submission])
+        return rid, submission.accepted
 
     def _staged(self, prompt: Prompt, sampling_params: SamplingParams | None,
                 callback: Any, *, request_id: str | None, priority: int,
                 cache_salt: str | None, final_only: bool
-                ) -> tuple[str, Callable[[], Future[None]]]:
-        """A request validated and tokenized, and what queues it (submit_nowait)."""
+                ) -> tuple[str, Callable[[], Submission]]:
+        """A request validated and tokenized, and what stages it for the loop
+        (EngineLoop.submit_all queues it)."""
         rid = request_id or self.next_request_id()
         prepared = self.inputs.prepare(rid, prompt, sampling_params, priority, cache_salt)
         if (prepared.params.structured_outputs is not None
@@ -250,7 +253,7 @@ class eSurge:
         eos = self.inputs.eos_token_id
         grammar = self.grammars.compile(prepared.params.structured_outputs)
         return rid, functools.partial(
-            self._loop.submit, rid, prepared.prompt, prepared.prompt_token_ids,
+            self._loop.stage, rid, prepared.prompt, prepared.prompt_token_ids,
             prepared.params, lambda ids: prepared.engine_requests(ids, eos), callback,
             final_only, grammar, self.grammars.timeout)
 
@@ -271,19 +274,19 @@ class eSurge:
 
         ids: list[str] = []
         try:
-            # Tokenize everything, then queue everything before waiting, so the
+            # Tokenize everything, then queue everything as one command, so the
             # engine admits the whole batch in its next step: queued as each was
             # tokenized, the first request of a batch of chats started alone.
             staged = []
             for i, (prompt, p) in enumerate(zip(plist, params, strict=True)):
                 prio = priorities[i] if priorities is not None else 0
-                rid, queue_it = self._staged(prompt, p, on_output, request_id=None,
-                                             priority=prio, cache_salt=None, final_only=True)
+                rid, stage = self._staged(prompt, p, on_output, request_id=None,
+                                          priority=prio, cache_salt=None, final_only=True)
                 ids.append(rid)
-                staged.append(queue_it)
-            futures = [queue_it() for queue_it in staged]
-            for accepted in futures:
-                accepted.result()
+                staged.append(stage())
+            self._loop.submit_all(staged)
+            for submission in staged:
+                submission.accepted.result()
         except BaseException:
             for rid in ids:
                 self.abort(rid)

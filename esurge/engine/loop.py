@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,7 +32,7 @@ from esurge.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from esurge.structured_output.compiler import CompiledGrammar
 
-__all__ = ["EngineDeadError", "EngineLoop", "FinishListener", "OutputCallback"]
+__all__ = ["EngineDeadError", "EngineLoop", "FinishListener", "OutputCallback", "Submission"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,10 @@ FinishListener = Callable[[RequestOutput, bool], None]
 
 
 @dataclass(slots=True)
-class _Submit:
+class Submission:
+    """One request on its way to the loop (EngineLoop.stage); `accepted`
+    resolves once the scheduler took it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -71,6 +74,13 @@ class _Submit:
 
 
 @dataclass(slots=True)
+class _SubmitAll:
+    """Submissions the loop adds in one drain, so one step admits them all."""
+
+    submissions: tuple[Submission, ...]
+
+
+@dataclass(slots=True)
 class _Abort:
     request_id: str
 
@@ -82,7 +92,7 @@ class _Fail:
 
 @dataclass(slots=True)
 class _GrammarReady:
-    cmd: _Submit
+    cmd: Submission
 
 
 class EngineLoop:
@@ -95,10 +105,11 @@ class EngineLoop:
         self._recorder = recorder
         # Replaced (never mutated) by the loop thread: any thread may read it.
         self.stats: EngineStats = recorder.read()
-        self._commands: queue.SimpleQueue[_Submit | _Abort | _GrammarReady | _Fail | None] = (
+        self._commands: queue.SimpleQueue[
+            Submission | _SubmitAll | _Abort | _GrammarReady | _Fail | None] = (
             queue.SimpleQueue())
         # Requests waiting for their grammar, by id (loop thread only).
-        self._parked: dict[str, _Submit] = {}
+        self._parked: dict[str, Submission] = {}
         self._callbacks: dict[str, OutputCallback] = {}
         self._final_only: set[str] = set()  # requests whose callback wants the last output only
         self._thread = threading.Thread(target=self._run, name="esurge-engine", daemon=True)
@@ -136,15 +147,32 @@ class EngineLoop:
         finished RequestOutput only. A request with a grammar still compiling
         is accepted once it compiled; a compile error, or no grammar after
         grammar_timeout seconds, fails the future with an InvalidRequestError."""
-        accepted: Future[None] = Future()
-        if not self.alive:
-            accepted.set_exception(EngineDeadError("the engine is not running"))
-            return accepted
+        submission = self.stage(request_id, prompt, prompt_token_ids, params, make_requests,
+                                callback, final_only, grammar, grammar_timeout)
+        self.submit_all([submission])
+        return submission.accepted
+
+    def stage(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+              params: SamplingParams, make_requests: Callable[[list[str]], list[EngineRequest]],
+              callback: OutputCallback, final_only: bool = False,
+              grammar: Future[CompiledGrammar] | None = None,
+              grammar_timeout: float = 30.0) -> Submission:
+        """A request as `submit` takes it, not queued yet (submit_all queues it)."""
         deadline = time.monotonic() + grammar_timeout
-        self._commands.put(_Submit(request_id, prompt, prompt_token_ids, params,
-                                   make_requests, callback, accepted, final_only, grammar,
-                                   deadline))
-        return accepted
+        return Submission(request_id, prompt, prompt_token_ids, params, make_requests, callback,
+                          Future(), final_only, grammar, deadline)
+
+    def submit_all(self, submissions: Sequence[Submission]) -> None:
+        """Queue staged requests as one command: the loop adds them all before
+        its next step. Queued one by one, the loop could wake at the first and
+        step before the caller had queued the rest (a batch of chats started
+        with some of its requests, and with Eagle took a speculative step
+        sized for the smaller batch)."""
+        if not self.alive:
+            for submission in submissions:
+                submission.accepted.set_exception(EngineDeadError("the engine is not running"))
+            return
+        self._commands.put(_SubmitAll(tuple(submissions)))
 
     def add_finish_listener(self, listener: FinishListener) -> None:
         """Call listener(output, aborted) on the loop thread whenever a request ends.
@@ -227,10 +255,13 @@ class EngineLoop:
             elif isinstance(command, _GrammarReady):
                 if self._parked.pop(command.cmd.request_id, None) is command.cmd:
                     self._add(command.cmd)
+            elif isinstance(command, _SubmitAll):
+                for submission in command.submissions:
+                    self._add(submission)
             else:
                 self._add(command)
 
-    def _park(self, cmd: _Submit, grammar: Future[CompiledGrammar]) -> None:
+    def _park(self, cmd: Submission, grammar: Future[CompiledGrammar]) -> None:
         self._parked[cmd.request_id] = cmd
         grammar.add_done_callback(lambda _: self._commands.put(_GrammarReady(cmd)))
 
@@ -244,11 +275,11 @@ class EngineLoop:
                     cmd.accepted.set_exception(InvalidRequestError(
                         params.field, f"the {params.kind} constraint did not compile in time"))
 
-    def _grammar_of(self, cmd: _Submit) -> CompiledGrammar | None:
+    def _grammar_of(self, cmd: Submission) -> CompiledGrammar | None:
         """The compiled grammar (None: unconstrained); raises its compile error."""
         return None if cmd.grammar is None else cmd.grammar.result()
 
-    def _add(self, cmd: _Submit) -> None:
+    def _add(self, cmd: Submission) -> None:
         if cmd.request_id in self._parked or self.processor.has_request(cmd.request_id):
             if cmd.accepted.set_running_or_notify_cancel():
                 cmd.accepted.set_exception(InvalidRequestError(
@@ -366,5 +397,8 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _Submit) and command.accepted.set_running_or_notify_cancel():
-                command.accepted.set_exception(error)
+            pending = (command.submissions if isinstance(command, _SubmitAll)
+                       else (command,) if isinstance(command, Submission) else ())
+            for submission in pending:
+                if submission.accepted.set_running_or_notify_cancel():
+                    submission.accepted.set_exception(error)
