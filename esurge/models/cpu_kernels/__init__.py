@@ -83,8 +83,9 @@ PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc",
             _HERE / "widened_matmul.cc", _HERE / "bf16_matmul.cc", _HERE / "coded_bf16_matmul.cc")
-_HEADERS = (_HERE / "attention_tiles.h", _HERE / "bf16_store.h", _HERE / "fast_exp.h",
-            _HERE / "panel_call.h", _HERE / "panel_tiles.h", _HERE / "parallel_for.h")
+_HEADERS = (_HERE / "attention_tiles.h", _HERE / "bf16_store.h", _HERE / "coded_args.h",
+            _HERE / "fast_exp.h", _HERE / "panel_call.h", _HERE / "panel_tiles.h",
+            _HERE / "parallel_for.h")
 # -ffp-contract=fast: ISO -std modes otherwise forbid fusing a*b+c into one FMA.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-std=c++17", "-ffp-contract=fast", "-fPIC")
 _LINK_FLAGS = ("-shared",)

@@ -30,9 +30,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "bf16_store.h"
+#include "coded_args.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -51,7 +53,7 @@ using esurge_kernels::bf16::kPanel;
 using esurge_kernels::bf16::Output;
 using esurge_kernels::bf16::StoreRow;
 
-constexpr int64_t kBlock = 32;             // inputs per scale and offset
+constexpr int64_t kBlock = esurge_kernels::kCodeBlock;  // inputs per scale and offset
 constexpr int64_t kBlockPairs = kBlock / 2;
 constexpr int kRowTile = 12;               // rows per register tile (24 of the 32 zmm)
 constexpr int64_t kRowChunk = 256;
@@ -218,23 +220,11 @@ ffi::Error CodedBf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
                                ffi::ResultBuffer<ffi::BF16> y, bool silu_mul, int64_t bits) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
-  const auto sd = scale.dimensions();
-  const auto od = offset.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || od.size() != 3 || yd.size() != 2 ||
-      (bits != 4 && bits != 8)) {
-    return ffi::Error::InvalidArgument(
-        "coded bf16 matmul: expected x [M, K], codes [P, K, 16|32], scale/offset [P, K/32, "
-        "32], y [M, N], bits 4 or 8");
-  }
+  const char* wrong = esurge_kernels::CodedArgsError(xd, cd, scale.dimensions(),
+                                                     offset.dimensions(), yd, bits, silu_mul);
+  if (wrong != nullptr) return ffi::Error::InvalidArgument(std::string("coded bf16 matmul: ") + wrong);
   const int64_t k = xd[1], panels = cd[0];
-  const int64_t per_panel = silu_mul ? kHalf : kPanel;
-  const bool shapes_match =
-      k % kBlock == 0 && cd[1] == k && cd[2] == (bits == 4 ? kHalf : kPanel) &&
-      sd[0] == panels && sd[1] == k / kBlock && sd[2] == kPanel && od[0] == sd[0] &&
-      od[1] == sd[1] && od[2] == sd[2] && yd[0] == xd[0] && yd[1] <= panels * per_panel &&
-      yd[1] > (panels - 1) * per_panel;
-  if (!shapes_match) return ffi::Error::InvalidArgument("coded bf16 matmul: shapes do not match");
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   uint16_t* out = reinterpret_cast<uint16_t*>(y->typed_data());
   std::memset(out + rows * yd[1], 0, sizeof(uint16_t) * (xd[0] - rows) * yd[1]);

@@ -23,12 +23,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #include "panel_tiles.h"
+#include "coded_args.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,7 +40,7 @@ namespace {
 
 using namespace esurge_kernels::panel;  // NOLINT: the shared tiles
 
-constexpr int64_t kBlock = 32;  // inputs per scale/offset
+constexpr int64_t kBlock = esurge_kernels::kCodeBlock;  // inputs per scale/offset
 
 struct Codes {
   const uint8_t* codes;  // [P, K, 16 or 32]
@@ -190,23 +192,11 @@ ffi::Error CodedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::ResultBuffer<ffi::F32> y, bool silu_mul, int64_t bits) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
-  const auto sd = scale.dimensions();
-  const auto od = offset.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || cd.size() != 3 || sd.size() != 3 || od.size() != 3 || yd.size() != 2 ||
-      (bits != 4 && bits != 8)) {
-    return ffi::Error::InvalidArgument(
-        "coded matmul: expected x [M, K], codes [P, K, 16|32], scale/offset [P, K/32, 32], "
-        "y [M, N], bits 4 or 8");
-  }
+  const char* wrong = esurge_kernels::CodedArgsError(xd, cd, scale.dimensions(),
+                                                     offset.dimensions(), yd, bits, silu_mul);
+  if (wrong != nullptr) return ffi::Error::InvalidArgument(std::string("coded matmul: ") + wrong);
   const int64_t k = xd[1], panels = cd[0];
-  const int64_t per_panel = silu_mul ? kLanes : kPanel;
-  const bool shapes_match =
-      k % kBlock == 0 && cd[1] == k && cd[2] == (bits == 4 ? kLanes : kPanel) &&
-      sd[0] == panels && sd[1] == k / kBlock && sd[2] == kPanel &&
-      od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2] && yd[0] == xd[0] &&
-      yd[1] <= panels * per_panel && yd[1] > (panels - 1) * per_panel;
-  if (!shapes_match) return ffi::Error::InvalidArgument("coded matmul: shapes do not match");
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   const Problem pb{x.typed_data(), y->typed_data(), rows, k, yd[1], silu_mul};
   const Codes c{codes.typed_data(), scale.typed_data(), offset.typed_data(), k,
