@@ -105,8 +105,7 @@ class EngineLoop:
         self._recorder = recorder
         # Replaced (never mutated) by the loop thread: any thread may read it.
         self.stats: EngineStats = recorder.read()
-        self._commands: queue.SimpleQueue[
-            Submission | _SubmitAll | _Abort | _GrammarReady | _Fail | None] = (
+        self._commands: queue.SimpleQueue[_SubmitAll | _Abort | _GrammarReady | _Fail | None] = (
             queue.SimpleQueue())
         # Requests waiting for their grammar, by id (loop thread only).
         self._parked: dict[str, Submission] = {}
@@ -255,11 +254,9 @@ class EngineLoop:
             elif isinstance(command, _GrammarReady):
                 if self._parked.pop(command.cmd.request_id, None) is command.cmd:
                     self._add(command.cmd)
-            elif isinstance(command, _SubmitAll):
+            else:
                 for submission in command.submissions:
                     self._add(submission)
-            else:
-                self._add(command)
 
     def _park(self, cmd: Submission, grammar: Future[CompiledGrammar]) -> None:
         self._parked[cmd.request_id] = cmd
@@ -397,8 +394,7 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            pending = (command.submissions if isinstance(command, _SubmitAll)
-                       else (command,) if isinstance(command, Submission) else ())
+            pending = command.submissions if isinstance(command, _SubmitAll) else ()
             for submission in pending:
                 if submission.accepted.set_running_or_notify_cancel():
                     submission.accepted.set_exception(error)
