@@ -108,9 +108,11 @@ class _CodedPanels(nnx.Module):
         self.bits = bits
 
     def matmul(self, x: jax.Array, out_features: int, num_rows: jax.Array | None,
-               silu_mul: bool) -> jax.Array:  # [T, in] -> [T, out_features]
+               silu_mul: bool, float32_out: bool = False
+               ) -> jax.Array:  # [T, in] -> [T, out_features]
         return coded_matmul_kernel(x, self.codes[...], self.scale[...], self.offset[...],
-                                   out_features, self.bits, num_rows, silu_mul=silu_mul)
+                                   out_features, self.bits, num_rows, silu_mul=silu_mul,
+                                   float32_out=float32_out)
 
 
 class _WidenedPanels(nnx.Module):
@@ -121,7 +123,9 @@ class _WidenedPanels(nnx.Module):
         self.panels = nnx.Param(jnp.zeros((panels, in_features, PANEL), jnp.bfloat16))
 
     def matmul(self, x: jax.Array, out_features: int, num_rows: jax.Array | None,
-               silu_mul: bool) -> jax.Array:  # [T, in] -> [T, out_features]
+               silu_mul: bool, float32_out: bool = False
+               ) -> jax.Array:  # [T, in] -> [T, out_features]
+        # float32 x: the results are float32 whatever float32_out says
         return widened_matmul_kernel(x, self.panels[...], out_features, num_rows,
                                      silu_mul=silu_mul)
 
@@ -153,11 +157,12 @@ class CodedLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.out_features = out_features
 
-    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
-                 ) -> jax.Array:  # [T, in] -> [T, out]
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None,
+                 float32_out: bool = False) -> jax.Array:  # [T, in] -> [T, out]
+        """float32_out: bfloat16 x gets the float32 sums, unrounded (logits)."""
         plain = self.plain
         y = coded_or_plain(
-            x, lambda: self.weight.matmul(x, self.out_features, num_rows, False),
+            x, lambda: self.weight.matmul(x, self.out_features, num_rows, False, float32_out),
             None if plain is None else lambda: x @ plain[...])
         return y if self.bias is None else y + self.bias[...]
 

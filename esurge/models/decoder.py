@@ -183,6 +183,12 @@ class CausalLM(nnx.Module):
             logits = tied()
         elif config.tie_word_embeddings and config.dual_layout:  # a coded head, tied
             logits = coded_or_plain(hidden, lambda: head(hidden, num_rows), tied)
+        elif isinstance(head, CodedLinear):
+            # float32 logits: rounded to bfloat16 (8 significant bits) they tie
+            # near-ties outright (SmolLM2's first answer token to "What is the
+            # capital of France?": 0.08 apart in float32, equal in bfloat16,
+            # and the lower id won with a reply in French).
+            logits = head(hidden, num_rows, float32_out=True)
         else:
             logits = head(hidden, num_rows)
         if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards

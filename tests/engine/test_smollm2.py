@@ -271,3 +271,11 @@ def test_bfloat16_with_the_head_drafting_gives_bfloat16s_own_tokens(
         drafted = [o.outputs[0].token_ids for o in eagle.generate(_prompts(), params)]
         assert eagle.runner.spec_stats.num_accepted_tokens > 0
     assert drafted == plain
+
+
+def test_bfloat16_logits_keep_float32s_answer_to_a_near_tie(bf16_engine: eSurge) -> None:
+    # The first answer token to this chat is a near-tie in float32 ("The"
+    # 0.08 above "L"); rounded to bfloat16 the two logits were equal and the
+    # lower id won, a reply in French. The LM head's logits stay float32.
+    output = bf16_engine.chat(CHATS[0], SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in output.outputs[0].text, output.outputs[0].text

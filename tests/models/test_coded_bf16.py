@@ -63,6 +63,16 @@ def test_coded_bf16_matmul_is_the_exact_weights_product_rounded_once(kind: str, 
     _assert_rounded_from(got[:rows], x64 @ dequantized.T.astype(np.float64))
     assert not np.asarray(got.astype(jnp.float32))[rows:].any()
 
+    # float32 results (the LM head's logits): the same sums, not rounded.
+    sums = coded_matmul_kernel(x, *_panels(pack_codes(codes)), out, codes.bits, real,
+                               float32_out=True)
+    assert sums.dtype == jnp.float32
+    want = x64 @ dequantized.T.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(sums)[:rows], want, rtol=1e-5,
+                               atol=1e-5 * (np.abs(want).max() + 1.0))
+    np.testing.assert_array_equal(np.asarray(sums.astype(jnp.bfloat16).astype(jnp.float32)),
+                                  np.asarray(got.astype(jnp.float32)))
+
     half = out // 2
     gated = coded_matmul_kernel(x, *_panels(pack_gate_up_codes(codes, half)), half, codes.bits,
                                 real, silu_mul=True)

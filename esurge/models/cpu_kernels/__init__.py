@@ -50,6 +50,7 @@ __all__ = [
     "BF16_CACHE_TARGET",
     "BF16_F32_TARGET",
     "BF16_TARGET",
+    "CODED_BF16_F32_TARGET",
     "CODED_BF16_TARGET",
     "CODED_TARGET",
     "MATMUL_TARGET",
@@ -79,6 +80,7 @@ WIDENED_TARGET = "esurge_widened_matmul"  # bfloat16 panels, float32 arithmetic
 BF16_TARGET = "esurge_bf16_matmul"
 BF16_F32_TARGET = "esurge_bf16_matmul_f32"  # float32 results: row-parallel partial sums
 CODED_BF16_TARGET = "esurge_coded_bf16_matmul"  # integer codes, bfloat16 dot products
+CODED_BF16_F32_TARGET = "esurge_coded_bf16_matmul_f32"  # the same, float32 results
 PANEL = 32  # output columns per packed weight panel (kPanel in packed_matmul.cc)
 _HERE = Path(__file__).parent
 _SOURCES = (_HERE / "paged_attention.cc", _HERE / "packed_matmul.cc", _HERE / "coded_matmul.cc",
@@ -211,6 +213,9 @@ def _load() -> bool:
                                     jax.ffi.pycapsule(lib.EsurgeBf16MatmulF32), platform="cpu")
         jax.ffi.register_ffi_target(CODED_BF16_TARGET,
                                     jax.ffi.pycapsule(lib.EsurgeCodedBf16Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(CODED_BF16_F32_TARGET,
+                                    jax.ffi.pycapsule(lib.EsurgeCodedBf16MatmulF32),
+                                    platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as err:
         detail = getattr(err, "stderr", "") or str(err)
         log.warning("CPU kernels unavailable (%s); using the pure-JAX paths",
@@ -322,12 +327,18 @@ def coded_matmul_kernel(
     bits: int,
     num_rows: jax.Array | None = None,  # [] int32: rows past it are padding (zeros out)
     silu_mul: bool = False,
-) -> jax.Array:  # [M, N] x's dtype
+    float32_out: bool = False,  # bfloat16 x: return the float32 sums unrounded
+) -> jax.Array:  # [M, N] x's dtype, or float32
     """x @ W with W as integer codes in column panels: coded_matmul.cc in
     float32, coded_bf16_matmul.cc in bfloat16 (dot products of the codes
-    themselves, the blocks' scales applied to the sums, one rounding)."""
-    target = CODED_BF16_TARGET if x.dtype == jnp.bfloat16 else CODED_TARGET
-    out = jax.ShapeDtypeStruct((x.shape[0], out_features), x.dtype)
+    themselves, the blocks' scales applied to the sums, one rounding, or
+    none with float32_out)."""
+    if x.dtype == jnp.bfloat16:
+        target = CODED_BF16_F32_TARGET if float32_out else CODED_BF16_TARGET
+        dtype = jnp.float32 if float32_out else jnp.bfloat16
+    else:
+        target, dtype = CODED_TARGET, jnp.float32
+    out = jax.ShapeDtypeStruct((x.shape[0], out_features), dtype)
     rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
     return jax.ffi.ffi_call(target, out)(x, codes, scale, offset, rows,
                                                silu_mul=silu_mul, bits=np.int64(bits))

@@ -23,7 +23,8 @@
 //
 // Contract: x [M, K] bf16 with K a multiple of 32; codes, scale, offset as
 // above (bits 4 or 8); num_rows [] int32 (rows past it: zeros, no work);
-// y [M, N] bf16. With silu_mul each panel holds 16 gate then 16 up columns.
+// y [M, N] bf16 (EsurgeCodedBf16MatmulF32: float32, the sums unrounded). With
+// silu_mul each panel holds 16 gate then 16 up columns.
 // Built only where the compiler targets AVX512_BF16; elsewhere the handler
 // reports an error and esurge/models/cpu_kernels/__init__.py never calls it.
 
@@ -214,32 +215,55 @@ void BlockSums(const uint16_t* x, int64_t k, int64_t begin, int64_t end, float* 
   }
 }
 
-ffi::Error CodedBf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                               ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
-                               ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> num_rows,
-                               ffi::ResultBuffer<ffi::BF16> y, bool silu_mul, int64_t bits) {
+// y = x @ W into a bfloat16 (y16) or float32 (y32) result of dimensions yd.
+ffi::Error CodedBf16Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                           ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
+                           ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> num_rows,
+                           ffi::Span<const int64_t> yd, uint16_t* y16, float* y32,
+                           bool silu_mul, int64_t bits) {
   const auto xd = x.dimensions();
   const auto cd = codes.dimensions();
-  const auto yd = y->dimensions();
   const char* wrong = esurge_kernels::CodedArgsError(xd, cd, scale.dimensions(),
                                                      offset.dimensions(), yd, bits, silu_mul);
-  if (wrong != nullptr) return ffi::Error::InvalidArgument(std::string("coded bf16 matmul: ") + wrong);
+  if (wrong != nullptr) {
+    return ffi::Error::InvalidArgument(std::string("coded bf16 matmul: ") + wrong);
+  }
   const int64_t k = xd[1], panels = cd[0];
   const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  uint16_t* out = reinterpret_cast<uint16_t*>(y->typed_data());
-  std::memset(out + rows * yd[1], 0, sizeof(uint16_t) * (xd[0] - rows) * yd[1]);
+  const int64_t padding = (xd[0] - rows) * yd[1];
+  if (y32 != nullptr) {
+    std::memset(y32 + rows * yd[1], 0, sizeof(float) * padding);
+  } else {
+    std::memset(y16 + rows * yd[1], 0, sizeof(uint16_t) * padding);
+  }
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
   std::vector<float> sums(static_cast<size_t>(rows * (k / kBlock)));
   esurge_kernels::ParallelFor(pool, rows, 1, [xs, k, &sums](int64_t begin, int64_t end) {
     BlockSums(xs, k, begin, end, sums.data());
   });
   const Problem pb{xs, sums.data(), codes.typed_data(), scale.typed_data(), offset.typed_data(),
-                   Output{out, nullptr, yd[1], silu_mul}, rows, k, static_cast<int>(bits)};
+                   Output{y16, y32, yd[1], silu_mul}, rows, k, static_cast<int>(bits)};
   const int64_t items = (rows + kRowChunk - 1) / kRowChunk * panels;
   esurge_kernels::ParallelFor(pool, items, 4, [&pb, panels](int64_t begin, int64_t end) {
     Items(pb, panels, begin, end);
   });
   return ffi::Error::Success();
+}
+
+ffi::Error CodedBf16MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                               ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
+                               ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> num_rows,
+                               ffi::ResultBuffer<ffi::BF16> y, bool silu_mul, int64_t bits) {
+  return CodedBf16Matmul(pool, x, codes, scale, offset, num_rows, y->dimensions(),
+                         reinterpret_cast<uint16_t*>(y->typed_data()), nullptr, silu_mul, bits);
+}
+
+ffi::Error CodedBf16MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+                                  ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scale,
+                                  ffi::Buffer<ffi::F32> offset, ffi::Buffer<ffi::S32> num_rows,
+                                  ffi::ResultBuffer<ffi::F32> y, bool silu_mul, int64_t bits) {
+  return CodedBf16Matmul(pool, x, codes, scale, offset, num_rows, y->dimensions(), nullptr,
+                         y->typed_data(), silu_mul, bits);
 }
 
 #else  // no AVX512_BF16 in this build
@@ -248,6 +272,13 @@ ffi::Error CodedBf16MatmulImpl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buf
                                ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
                                ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::BF16>, bool,
                                int64_t) {
+  return ffi::Error::Internal("coded bf16 matmul: this build has no AVX512_BF16");
+}
+
+ffi::Error CodedBf16MatmulF32Impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::U8>,
+                                  ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
+                                  ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32>, bool,
+                                  int64_t) {
   return ffi::Error::Internal("coded bf16 matmul: this build has no AVX512_BF16");
 }
 
@@ -264,5 +295,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeCodedBf16Matmul, CodedBf16MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // offset
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // y
+                                  .Attr<bool>("silu_mul")
+                                  .Attr<int64_t>("bits"));
+
+// The same product with float32 results, unrounded: the LM head's logits
+// (rounded to bfloat16 they tie near-ties outright).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeCodedBf16MatmulF32, CodedBf16MatmulF32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // offset
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
                                   .Attr<bool>("silu_mul")
                                   .Attr<int64_t>("bits"));
