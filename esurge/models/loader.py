@@ -249,8 +249,10 @@ def resolve_dtype(requested: str, source: CheckpointSource, hf_config: Any) -> t
             return "bfloat16", ("bfloat16 checkpoint; this CPU's native bfloat16 dot products "
                                 "serve it (AVX512_BF16" + (", AMX)" if cpu_has_amx() else ")"))
         if stored == "quantized" and codes_in_bfloat16():
+            # Under tensor parallelism the codes are dequantized (coded weights
+            # need one device): bfloat16 panels still halve float32's bytes.
             return "bfloat16", ("quantized checkpoint; this CPU's native bfloat16 dot products "
-                                "multiply its codes (AVX512_BF16)")
+                                "serve it (AVX512_BF16; on one device they multiply its codes)")
         why = ("this CPU has no native bfloat16 dot product" if stored == "bfloat16"
                else "the CPU kernels serve it in float32")
         return "float32", (f"{stored} checkpoint upcast: {why}, and float32 there is "
