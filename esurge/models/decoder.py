@@ -176,21 +176,21 @@ class CausalLM(nnx.Module):
         config, head = self.config, self.lm_head
         embedding = self.model.embed_tokens.weight
 
+        # The logits stay float32 sums whatever the model's dtype: rounded to
+        # bfloat16 (8 significant bits) they tie near-ties outright (SmolLM2's
+        # first answer token to "What is the capital of France?": 0.08 apart in
+        # float32, equal in bfloat16, and the lower id won with a reply in French).
         def tied() -> jax.Array:
-            return jnp.einsum("lh,vh->lv", hidden, embedding[...])
+            return jnp.einsum("lh,vh->lv", hidden, embedding[...],
+                              preferred_element_type=jnp.float32)
 
         if head is None:
             logits = tied()
         elif config.tie_word_embeddings and config.dual_layout:  # a coded head, tied
-            logits = coded_or_plain(hidden, lambda: head(hidden, num_rows), tied)
-        elif isinstance(head, CodedLinear):
-            # float32 logits: rounded to bfloat16 (8 significant bits) they tie
-            # near-ties outright (SmolLM2's first answer token to "What is the
-            # capital of France?": 0.08 apart in float32, equal in bfloat16,
-            # and the lower id won with a reply in French).
-            logits = head(hidden, num_rows, float32_out=True)
+            logits = coded_or_plain(hidden, lambda: head(hidden, num_rows, float32_out=True),
+                                    tied)
         else:
-            logits = head(hidden, num_rows)
+            logits = head(hidden, num_rows, float32_out=True)
         if logits.shape[-1] != self.config.vocab_size:  # rows padded for the shards
             logits = logits[:, :self.config.vocab_size]
         cap = self.config.final_softcap

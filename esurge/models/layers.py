@@ -35,9 +35,11 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
-                 ) -> jax.Array:  # [..., in] -> [..., out]; num_rows: see PackedLinear
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None,
+                 float32_out: bool = False
+                 ) -> jax.Array:  # [..., in] -> [..., out]; num_rows, float32_out: see PackedLinear
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...],
+                       preferred_element_type=jnp.float32 if float32_out else None)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -56,9 +58,11 @@ class InputMajorLinear(nnx.Module):
         self.weight = nnx.Param(jnp.zeros((in_features, out_features), dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
-                 ) -> jax.Array:  # [..., in] -> [..., out]; num_rows: see PackedLinear
-        y = x @ self.weight[...]
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None,
+                 float32_out: bool = False
+                 ) -> jax.Array:  # [..., in] -> [..., out]; num_rows, float32_out: see PackedLinear
+        y = jnp.matmul(x, self.weight[...],
+                       preferred_element_type=jnp.float32 if float32_out else None)
         if self.bias is not None:
             y = y + self.bias[...]
         return y

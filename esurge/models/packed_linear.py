@@ -112,7 +112,8 @@ def packed_matmul(
     num_rows: jax.Array | None = None,  # [] int32: real rows; the rest is padding
     split: Split = Split.NONE,
     shards: int = 1,  # COLUMN: the shards the panels were packed for (pack_layer)
-) -> jax.Array:  # [T, out_features]
+    float32_out: bool = False,  # bfloat16 x: the float32 sums, unrounded (logits)
+) -> jax.Array:  # [T, out_features] x's dtype, or float32
     """x @ W for a packed W: the CPU kernel of its dtype where one serves, else XLA.
 
     Rows at or past num_rows are padding: the kernel returns zeros for them
@@ -125,16 +126,20 @@ def packed_matmul(
         rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32)
         local = out_features // shards if per_shard else out_features
         # A row-parallel shard's partial sum stays float32 until the shards are added.
+        unrounded = float32_out or split is Split.ROW
         sharded = over_local_panels(
-            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n,
-                                                   float32_out=split is Split.ROW), split)
+            lambda xs, ws, n: packed_matmul_kernel(xs, ws, local, n, float32_out=unrounded),
+            split)
         if sharded is not None:
             return sharded(x, packed, rows)
         if per_shard:  # no mesh: the whole weight, each shard's padding dropped
-            whole = packed_matmul_kernel(x, packed, packed.shape[0] * PANEL, rows)
+            whole = packed_matmul_kernel(x, packed, packed.shape[0] * PANEL, rows,
+                                         float32_out=float32_out)
             return _unpad_shards(whole, shards, out_features)
-        return packed_matmul_kernel(x, packed, out_features, rows)
-    y = jnp.einsum("tk,pkn->tpn", x, _plain_panels(packed)).reshape(x.shape[0], -1)
+        return packed_matmul_kernel(x, packed, out_features, rows, float32_out=float32_out)
+    y = jnp.einsum("tk,pkn->tpn", x, _plain_panels(packed),
+                   preferred_element_type=jnp.float32 if float32_out else None
+                   ).reshape(x.shape[0], -1)
     return _unpad_shards(y, shards, out_features) if per_shard else y[:, :out_features]
 
 
@@ -226,13 +231,15 @@ class PackedLinear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
         self.out_features = out_features
 
-    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None
-                 ) -> jax.Array:  # [T, in] -> [T, out]
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None,
+                 float32_out: bool = False) -> jax.Array:  # [T, in] -> [T, out]
+        """float32_out: bfloat16 x gets the float32 sums, unrounded (logits)."""
         if _plain_takes(x, self.plain):
-            y = x @ self.plain[...]  # type: ignore[index]
+            y = jnp.matmul(x, self.plain[...],  # type: ignore[index]
+                           preferred_element_type=jnp.float32 if float32_out else None)
         else:
             y = packed_matmul(x, self.weight[...], self.out_features, num_rows, self.split,
-                              self.shards)
+                              self.shards, float32_out)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
