@@ -111,9 +111,10 @@ struct CodedPairs {
 };
 
 // MR rows x panel p: per block, the dot products of the rows' bfloat16 pairs
-// with the codes, then the block's scale and offset applied into `total`.
+// with the codes (each read as Pairs::kBias more than it is), then the
+// block's scale and offset applied into `total`.
 template <int MR, typename Pairs>
-void Tile(const Problem& pb, const Pairs& src, float bias, int64_t r0, int64_t p) {
+void Tile(const Problem& pb, const Pairs& src, int64_t r0, int64_t p) {
   const int64_t blocks = pb.k / kBlock;
   const float* scale = pb.scale + p * blocks * kPanel;
   const float* offset = pb.offset + p * blocks * kPanel;
@@ -136,7 +137,7 @@ void Tile(const Problem& pb, const Pairs& src, float bias, int64_t r0, int64_t p
     }
     for (int r = 0; r < MR; ++r) {
       const float xs = pb.xsum[(r0 + r) * blocks + b];
-      const __m512 sum = _mm512_set1_ps(xs), biased = _mm512_set1_ps(bias * xs);
+      const __m512 sum = _mm512_set1_ps(xs), biased = _mm512_set1_ps(Pairs::kBias * xs);
       for (int h = 0; h < 2; ++h) {
         const int64_t at = b * kPanel + h * kHalf;
         __m512 t = _mm512_load_ps(total[r] + h * kHalf);
@@ -150,20 +151,20 @@ void Tile(const Problem& pb, const Pairs& src, float bias, int64_t r0, int64_t p
 }
 
 template <typename Pairs>
-void Rows(const Problem& pb, const Pairs& src, float bias, int64_t r0, int64_t p, int rows) {
+void Rows(const Problem& pb, const Pairs& src, int64_t r0, int64_t p, int rows) {
   switch (rows) {
-    case 1: return Tile<1>(pb, src, bias, r0, p);
-    case 2: return Tile<2>(pb, src, bias, r0, p);
-    case 3: return Tile<3>(pb, src, bias, r0, p);
-    case 4: return Tile<4>(pb, src, bias, r0, p);
-    case 5: return Tile<5>(pb, src, bias, r0, p);
-    case 6: return Tile<6>(pb, src, bias, r0, p);
-    case 7: return Tile<7>(pb, src, bias, r0, p);
-    case 8: return Tile<8>(pb, src, bias, r0, p);
-    case 9: return Tile<9>(pb, src, bias, r0, p);
-    case 10: return Tile<10>(pb, src, bias, r0, p);
-    case 11: return Tile<11>(pb, src, bias, r0, p);
-    case 12: return Tile<12>(pb, src, bias, r0, p);
+    case 1: return Tile<1>(pb, src, r0, p);
+    case 2: return Tile<2>(pb, src, r0, p);
+    case 3: return Tile<3>(pb, src, r0, p);
+    case 4: return Tile<4>(pb, src, r0, p);
+    case 5: return Tile<5>(pb, src, r0, p);
+    case 6: return Tile<6>(pb, src, r0, p);
+    case 7: return Tile<7>(pb, src, r0, p);
+    case 8: return Tile<8>(pb, src, r0, p);
+    case 9: return Tile<9>(pb, src, r0, p);
+    case 10: return Tile<10>(pb, src, r0, p);
+    case 11: return Tile<11>(pb, src, r0, p);
+    case 12: return Tile<12>(pb, src, r0, p);
     default: return;
   }
 }
@@ -181,9 +182,8 @@ void Chunk(const Problem& pb, int64_t p, int64_t r0, int64_t r1) {
   const int64_t tiles = (r1 - r0 + kRowTile - 1) / kRowTile;
   const int64_t per_tile = (r1 - r0 + tiles - 1) / tiles;
   for (int64_t r = r0; r < r1; r += per_tile) {
-    const CodedPairs<kBits> coded{codes, r == r0};
-    Rows(pb, coded, CodedPairs<kBits>::kBias, r, p,
-         static_cast<int>(std::min(per_tile, r1 - r)));
+    const CodedPairs<kBits> coded{codes, r == r0};  // the first tile streams them in
+    Rows(pb, coded, r, p, static_cast<int>(std::min(per_tile, r1 - r)));
   }
 }
 
