@@ -12,6 +12,7 @@ from esurge.spec_decode.draft_length import (
     CostCurve,
     DraftLength,
     StepCosts,
+    batch_trial_rate,
     chain_rate,
     head_acceptance_prior,
 )
@@ -123,3 +124,15 @@ def test_prior_comes_from_the_heads_recorded_evaluation(tmp_path: Path) -> None:
     (tmp_path / "training_info.json").write_text(
         '{"eval": {"k": 4, "mean_acceptance_length": 3.0}}')
     assert head_acceptance_prior(tmp_path, 4) == pytest.approx(chain_rate(3.0, 4))
+
+
+def test_a_trial_bets_less_on_a_larger_batch() -> None:
+    # One request may well be easy; a batch's mean acceptance is bet on
+    # 1/sqrt(batch) as far above the head's measured mean.
+    assert batch_trial_rate(0.8, 0.6, 1) == pytest.approx(0.8)
+    assert batch_trial_rate(0.8, 0.6, 4) == pytest.approx(0.7)
+    assert batch_trial_rate(0.8, 0.6, 16) == pytest.approx(0.65)
+    # A head measured above the trial's bet keeps its own mean at every size.
+    assert batch_trial_rate(0.5, 0.9, 4) == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="batch"):
+        batch_trial_rate(0.8, 0.6, 0)

@@ -61,6 +61,7 @@ from esurge.spec_decode.draft_length import (
     Acceptance,
     DraftLength,
     StepCosts,
+    batch_trial_rate,
     head_acceptance_prior,
 )
 from esurge.spec_decode.policy import SpeculationPolicy, step_cost
@@ -169,8 +170,17 @@ class SpecDecoder:
             return
         lengths = self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
         if self.policy.gates_requests:
-            trial = self.trial = Acceptance(self.num_spec, prior=self.policy.trial_rate)
-            self.policy.predict_trial = lambda batch: lengths.predicted_gain(batch, (trial,))
+            self.trial = Acceptance(self.num_spec, prior=self.policy.trial_rate)
+            bets: dict[int, Acceptance] = {}
+
+            def predict_trial(batch: int) -> float:
+                bet = bets.get(batch)
+                if bet is None:
+                    rate = batch_trial_rate(self.policy.trial_rate, self.prior, batch)
+                    bet = bets[batch] = Acceptance(self.num_spec, prior=rate)
+                return lengths.predicted_gain(batch, (bet,))
+
+            self.policy.predict_trial = predict_trial
 
     def drafts_for(self, req_ids: Sequence[str]) -> int:
         """How many drafts to propose for a step of these requests: by their own
