@@ -19,7 +19,7 @@ def _lengths(prior: float = 0.6) -> DraftLength:
 
 
 def test_a_request_whose_drafts_are_refused_stops_after_min_verifications() -> None:
-    lengths, gate = _lengths(), RequestGate(min_verifications=10)
+    lengths, gate = _lengths(), RequestGate(min_verifications=10, margin=1.0)
     for _ in range(10):
         assert gate.pays("bad", 1, lengths)  # too few verifications to judge
         gate.record("bad", 4, 0, lengths)
@@ -45,7 +45,7 @@ def test_the_gate_weighs_a_request_against_the_batch_sizes_costs() -> None:
 
 
 def test_the_gate_weighs_what_plain_steps_cost_beyond_their_timing() -> None:
-    lengths, gate = _lengths(), RequestGate(min_verifications=10)
+    lengths, gate = _lengths(), RequestGate(min_verifications=10, margin=1.0)
     for step in range(40):
         gate.record("r", 1, int(step % 5 == 0), lengths)  # a fifth of its drafts accepted
     # About 1.2 tokens for 1.3 seconds against a plain step's 1 for 1: stop ...
@@ -54,6 +54,20 @@ def test_the_gate_weighs_what_plain_steps_cost_beyond_their_timing() -> None:
         lengths.observe(1, 0, lengths.costs.plain(1) + 0.5)
     # ... unless plain steps really take 1.5.
     assert gate.pays("r", 1, lengths)
+
+
+def test_by_default_a_request_stops_only_clearly_short_of_break_even() -> None:
+    # Stopping is for good while drafting on can still stop later, and a
+    # request's acceptance moves over its answer: ten refused verifications
+    # (1.17 tokens for 1.3 seconds against a plain step's 1 for 1: 0.90x)
+    # are not yet enough, twenty (0.85x) are.
+    lengths, gate = _lengths(), RequestGate(min_verifications=10)
+    for _ in range(10):
+        gate.record("r", 4, 0, lengths)
+    assert gate.pays("r", 1, lengths)
+    for _ in range(10):
+        gate.record("r", 4, 0, lengths)
+    assert not gate.pays("r", 1, lengths)
 
 
 @pytest.mark.parametrize("kwargs", [{"min_verifications": 0}, {"margin": 0.0},
