@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "xla/ffi/api/ffi.h"
+
 namespace esurge_kernels {
 
 constexpr int64_t kCodeBlock = 32;  // inputs per scale and offset
@@ -31,6 +33,24 @@ const char* CodedArgsError(const Dims& xd, const Dims& cd, const Dims& sd, const
       od[0] == sd[0] && od[1] == sd[1] && od[2] == sd[2] && yd[0] == xd[0] &&
       yd[1] <= panels * per_panel && yd[1] > (panels - 1) * per_panel;
   return match ? nullptr : "shapes do not match";
+}
+
+// The FFI signature every coded kernel's handler binds (x of dtype X, y of
+// dtype Y), so the three handlers and cpu_kernels/__init__.py's calls agree.
+template <xla::ffi::DataType X, xla::ffi::DataType Y>
+auto CodedBinding() {
+  namespace ffi = xla::ffi;
+  // After x's dependent type every member template needs `template`.
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<X>>()                     // x
+      .template Arg<ffi::Buffer<ffi::U8>>()      // codes
+      .template Arg<ffi::Buffer<ffi::F32>>()     // scale
+      .template Arg<ffi::Buffer<ffi::F32>>()     // offset
+      .template Arg<ffi::Buffer<ffi::S32>>()     // num_rows
+      .template Ret<ffi::Buffer<Y>>()            // y
+      .template Attr<bool>("silu_mul")
+      .template Attr<int64_t>("bits");
 }
 
 }  // namespace esurge_kernels

@@ -287,27 +287,9 @@ ffi::Error CodedBf16MatmulF32Impl(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeCodedBf16Matmul, CodedBf16MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // offset
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // y
-                                  .Attr<bool>("silu_mul")
-                                  .Attr<int64_t>("bits"));
+                              (esurge_kernels::CodedBinding<ffi::DataType::BF16, ffi::DataType::BF16>()));
 
 // The same product with float32 results, unrounded: the LM head's logits
 // (rounded to bfloat16 they tie near-ties outright).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeCodedBf16MatmulF32, CodedBf16MatmulF32Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // offset
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_rows
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // y
-                                  .Attr<bool>("silu_mul")
-                                  .Attr<int64_t>("bits"));
+                              (esurge_kernels::CodedBinding<ffi::DataType::BF16, ffi::DataType::F32>()));

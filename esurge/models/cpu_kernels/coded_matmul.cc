@@ -212,13 +212,4 @@ ffi::Error CodedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EsurgeCodedMatmul, CodedMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // offset
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y
-                                  .Attr<bool>("silu_mul")
-                                  .Attr<int64_t>("bits"));
+                              (esurge_kernels::CodedBinding<ffi::DataType::F32, ffi::DataType::F32>()));
