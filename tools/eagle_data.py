@@ -64,7 +64,7 @@ class TargetFeatures:
                                  num_tokens_bucket=b * n, num_reqs_bucket=b,
                                  max_pages_per_req=len(self.tables[0]),
                                  num_logits_bucket=b * n, num_pages=self.num_pages)
-        logits, hidden, features, self.cache = model_step_features(
+        logits, hidden, features, self.cache, _ = model_step_features(
             self.target.model_state, self.cache, fb, self.feature_layers)
         return (features.reshape(b, n, -1), hidden.reshape(b, n, -1),
                 logits.reshape(b, n, -1))

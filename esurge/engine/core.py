@@ -3,9 +3,13 @@
 With async scheduling the core keeps one step in flight: step N+1 is
 scheduled and dispatched to the device before step N's tokens are applied,
 so host work overlaps device work. The scheduler's placeholders make the two
-modes produce the same tokens. A step the executor says does not pipeline
-(a speculative one: how many drafts it accepts moves every position after
-it) is collected before the next is scheduled (a speculative step's collect
+modes produce the same tokens. A speculative step pipelines too when it
+hands the drafts it proposes to the scheduler at dispatch (drafts_ahead):
+the next step verifies them, laid out as if every draft in flight were
+accepted, and the device moves it back over the rejected ones. A step the
+executor says does not pipeline (a speculative one that cannot: how many
+drafts it accepts moves every position after it) is collected before the
+next is scheduled (a speculative step's collect
 waits for its verification, while the device drafts the next step's
 tokens); the next is then dispatched at once, before the collected step's
 outputs are returned, so that the caller's work on them (detokenizing, stop
@@ -15,7 +19,7 @@ strings, delivery) overlaps the device instead of idling it.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from esurge.engine_types import EngineCoreOutputs
@@ -46,6 +50,10 @@ class ModelExecutor(Protocol[PendingStep]):
         """Whether the next step may be scheduled before this one is collected."""
         ...
 
+    def drafts_ahead(self, pending: PendingStep) -> Mapping[str, Sequence[int]]:
+        """Drafts a pipelining step proposed for the next step, by request (may be empty)."""
+        ...
+
 
 class EngineCore(Generic[PendingStep]):
     """Drives a scheduler and a model executor, one forward pass per step."""
@@ -61,6 +69,8 @@ class EngineCore(Generic[PendingStep]):
         # Steps dispatched right after a barrier step was collected, before
         # its outputs were returned.
         self.num_early_steps = 0
+        # Speculative steps that handed their drafts to the next step at dispatch.
+        self.num_drafts_ahead = 0
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (ValueError if the scheduler refuses it)."""
@@ -95,7 +105,7 @@ class EngineCore(Generic[PendingStep]):
             # Even an empty schedule is dispatched: it carries the ids of
             # finished requests the runner must drop.
             scheduler_output = self.scheduler.schedule()
-            pending = self.executor.dispatch(scheduler_output)
+            pending = self._dispatch(scheduler_output)
             if in_flight:
                 self.num_overlapped_steps += 1
             in_flight.append((scheduler_output, pending))
@@ -122,9 +132,19 @@ class EngineCore(Generic[PendingStep]):
                                                     self.executor.collect(pending))
         if self.scheduler.has_requests():
             scheduler_output = self.scheduler.schedule()
-            self._in_flight.append((scheduler_output, self.executor.dispatch(scheduler_output)))
+            self._in_flight.append((scheduler_output, self._dispatch(scheduler_output)))
             self.num_early_steps += 1
         return outputs
+
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start a step; drafts it hands ahead go to the scheduler at once, for
+        the step scheduled before this one is read to verify."""
+        pending = self.executor.dispatch(scheduler_output)
+        drafts = self.executor.drafts_ahead(pending)
+        if drafts:
+            self.scheduler.take_drafts(drafts)
+            self.num_drafts_ahead += 1
+        return pending
 
     def shutdown(self) -> None:
         """Drain the in-flight steps and release the scheduler."""

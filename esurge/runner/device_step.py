@@ -7,6 +7,8 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 from esurge.models.batch import ForwardBatch
 from esurge.models.forward import ModelState, ShellState, forward, logits_rows
@@ -22,7 +24,8 @@ from esurge.runner.sampler import (
     token_logprobs,
 )
 
-__all__ = ["decode_burst_step", "model_step", "model_step_features", "pad_tokens",
+__all__ = ["FollowInputs", "decode_burst_step", "follow_in_flight", "model_step",
+           "model_step_features", "pad_tokens",
            "prompt_logprobs_step", "sample_step", "sampled_logprobs_step"]
 
 
@@ -109,7 +112,38 @@ def decode_burst_step(
     return host_visible(tokens), kv_cache, host_visible(last)
 
 
-@partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers",))
+@struct.dataclass
+class FollowInputs:
+    """How a speculative step dispatched before the one in flight was read
+    follows it: the host built its positions as if every draft in flight were
+    accepted, and left the ids of that step's last tokens out."""
+
+    # [T] int32: >= 0: the token row's id is that in-flight row's last token.
+    index: jax.Array | np.ndarray
+    src: jax.Array | np.ndarray  # [R] int32: each request's row in the step in flight, -1: none
+    last_tokens: jax.Array  # [M] int32: that step's last emitted token per row
+    rejected: jax.Array  # [M] int32: its rejected drafts per row
+
+
+def follow_in_flight(batch: ForwardBatch, follow: FollowInputs, page_size: int) -> ForwardBatch:
+    """The batch with every request of the step in flight moved back over its
+    rejected drafts (positions, cache slots, lengths) and fed that step's last
+    tokens: nothing moves where src is -1 and index is -1 everywhere."""
+    shift_req = jnp.where(follow.src >= 0, -follow.rejected[jnp.maximum(follow.src, 0)], 0)
+    token_req = jnp.asarray(batch.token_req)
+    real = jnp.arange(token_req.shape[0]) < jnp.asarray(batch.query_start_loc)[-1]
+    shift = jnp.where(real, shift_req[token_req], 0)  # [T]
+    positions = jnp.asarray(batch.positions) + shift
+    tables = jnp.asarray(batch.page_tables)  # [G, R, P]
+    moved = tables[:, token_req, positions // page_size] * page_size + positions % page_size
+    ids = jnp.where(follow.index >= 0, follow.last_tokens[jnp.maximum(follow.index, 0)],
+                    batch.input_ids)
+    return dataclasses.replace(
+        batch, input_ids=ids, positions=positions, seq_lens=jnp.asarray(batch.seq_lens) + shift_req,
+        slot_mapping=jnp.where(shift != 0, moved, jnp.asarray(batch.slot_mapping)))
+
+
+@partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers", "page_size"))
 def model_step_features(
     model_state: ModelState,
     kv_cache: KVCache,
@@ -117,30 +151,38 @@ def model_step_features(
     feature_layers: tuple[int, ...],
     draft_buffer: jax.Array | None = None,  # [M, k] int32: the head's proposals, by slot
     draft_feed: jax.Array | None = None,  # [T] int32: index into it flattened, -1: input_ids
-) -> tuple[jax.Array, jax.Array, jax.Array, KVCache]:
-    """(logits [L, V], final hidden [T, H], draft features [T, F], updated cache).
+    follow: FollowInputs | None = None,
+    page_size: int = 1,
+) -> tuple[jax.Array, jax.Array, jax.Array, KVCache, ForwardBatch]:
+    """(logits [L, V], final hidden [T, H], draft features [T, F], updated cache,
+    the batch as run).
 
     feature_layers () makes the features the final hidden states (EAGLE-1);
     otherwise they are the outputs of those layers concatenated ([T, n * H],
     EAGLE-3). The final hidden state then comes from the last layer's output
     through the model's final norm, as forward computes it. Token rows with
     a draft_feed index take their id from the draft buffer: drafts the
-    previous step proposed are fed from the device, not the host.
+    previous step proposed are fed from the device, not the host. `follow`
+    moves the requests of a speculative step still in flight to where its
+    verification left them (follow_in_flight); the batch as run carries the
+    moved positions and slots, which the head's proposal writes at.
     """
     if draft_buffer is not None and draft_feed is not None:
         ids = jnp.where(draft_feed >= 0, draft_buffer.reshape(-1)[jnp.maximum(draft_feed, 0)],
                         batch.input_ids)
         batch = dataclasses.replace(batch, input_ids=ids)
+    if follow is not None:
+        batch = follow_in_flight(batch, follow, page_size)
     if not feature_layers:
         logits, hidden, kv_cache = forward(model_state, kv_cache, batch)
-        return logits, hidden, hidden, kv_cache
+        return logits, hidden, hidden, kv_cache, batch
     shell = model_state.shell()
     last = shell.config.num_layers - 1
     wanted = tuple(sorted({*feature_layers, last}))
     logits, aux, kv_cache = forward(model_state, kv_cache, batch, aux_hidden_layer_ids=wanted)
     hidden = shell.model.norm(aux[wanted.index(last)])
     features = jnp.concatenate([aux[wanted.index(i)] for i in feature_layers], axis=-1)
-    return logits, hidden, features, kv_cache
+    return logits, hidden, features, kv_cache, batch
 
 
 def pad_tokens(tokens: jax.Array, size: int) -> jax.Array:

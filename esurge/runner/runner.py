@@ -14,14 +14,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import jax
 import jax.numpy as jnp
 
 from esurge.config import Config
-from esurge.core.kv_cache_spec import CacheGroupsConfig
+from esurge.core.kv_cache_spec import CacheGroupsConfig, FullAttentionSpec
 from esurge.core.page_budget import stable_page_count
 from esurge.models.kv_cache import KVCache, init_kv_cache
 from esurge.models.loader import LoadedModel
@@ -79,9 +79,10 @@ class eSurgeRunner:
     `config.speculative_config` enabling Eagle, `spec` holds the draft head;
     steps verify and propose drafts where its speculation policy says
     drafting pays (EngineSettings.speculation), else run plain; under async
-    scheduling the plain ones pipeline; a speculative one is collected
-    before the next step is scheduled (`pipelines`), and the next is
-    dispatched before its outputs go back to the engine loop. `spec_stats`
+    scheduling the plain ones pipeline, and so do steady speculative ones,
+    which hand their drafts ahead (`drafts_ahead`); any other speculative one
+    is collected before the next step is scheduled (`pipelines`), and the
+    next is dispatched before its outputs go back to the engine loop. `spec_stats`
     exposes the engine-wide counters. With it off, `spec` is None.
     """
 
@@ -133,6 +134,17 @@ class eSurgeRunner:
                                     self.num_pages, self.page_size, self.max_rows,
                                     make_policy(settings.speculation))
         self.step_kinds: tuple[StepKind, ...] = self._step_kinds()
+        # Under async scheduling a steady speculative step hands its drafts to
+        # the next step at dispatch (PendingStep.ahead), which then starts where
+        # the device's verification leaves each request. Not over windowed
+        # caches (pages freed by a position the host only bounds) nor across
+        # hosts (followers mirror host-known drafts).
+        self.hands_drafts_ahead = (
+            self.spec is not None and sched.async_scheduling
+            and settings.parallel_config.num_hosts == 1
+            and all(isinstance(g.spec, FullAttentionSpec) for g in self.cache_groups.groups))
+        # The speculative step dispatched last, until collected, if it handed drafts ahead.
+        self.in_flight_spec: PendingStep | None = None
 
     def _step_kinds(self) -> tuple[StepKind, ...]:
         """The ways this runner runs steps, in the order they are offered a step."""
@@ -201,11 +213,14 @@ class eSurgeRunner:
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         self._update_batch(scheduler_output)
+        # Only the step dispatched right after one that handed drafts ahead follows it.
+        follows, self.in_flight_spec = self._follows(), None
         if scheduler_output.is_empty():
             return PendingStep(None)
         ib = self.input_batch
         num_spec = self.num_spec
-        if self.spec is not None and not self.spec.speculates(scheduler_output):
+        if (self.spec is not None and follows is None
+                and not self.spec.speculates(scheduler_output)):
             num_spec = 0  # a plain step: the head's cache misses its tokens from here on
             self.spec.unsynced.update(scheduler_output.num_scheduled_tokens)
         elif self.spec is not None and self.last_plain is not None:
@@ -214,12 +229,16 @@ class eSurgeRunner:
             record_plain(self, self.last_plain)
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
                                    self.prev_index, num_spec, self.tiled_attention,
-                                   None if self.spec is None else self.spec.slots.device_slot)
+                                   None if self.spec is None else self.spec.slots.device_slot,
+                                   follows)
         plan = StepPlan(inputs, ib.sampling.variant(inputs.rows),
                         self.grammars.any_in(inputs.req_ids))
         for kind in self.step_kinds:
             if kind.accepts(plan):
-                return kind.dispatch(plan)
+                pending = kind.dispatch(plan)
+                if pending.ahead is not None:
+                    self.in_flight_spec = pending
+                return pending
         kinds = ", ".join(kind.name for kind in self.step_kinds)
         raise ValueError(f"no step kind of this runner ({kinds}) runs a step of "
                          f"{inputs.num_steps} iterations")
@@ -237,10 +256,20 @@ class eSurgeRunner:
                 self.grammars.add(new.req_id, new.grammar, _stop_ids(new),
                                   new.output_token_ids)
 
+    def _follows(self) -> dict[str, int] | None:
+        """The rows of the speculative step in flight that handed its drafts
+        ahead, by request (None: no such step): the next step follows it."""
+        step = self.in_flight_spec
+        if step is None or step.inputs is None:
+            return None
+        return {req_id: i for i, req_id in enumerate(step.inputs.req_ids)}
+
     def collect(self, pending: PendingStep) -> ModelRunnerOutput:
         """Wait for a dispatched step; record and return its sampled tokens."""
         if self.last_plain is pending:
             self.last_plain = None
+        if self.in_flight_spec is pending:
+            self.in_flight_spec = None
         if pending.kind is None:
             return ModelRunnerOutput.empty()
         with self.on_mesh():
@@ -251,8 +280,14 @@ class eSurgeRunner:
 
     def pipelines(self, pending: PendingStep) -> bool:
         """Whether the next step may be scheduled before this one is collected
-        (not after a speculative step: see StepKind.pipelined)."""
-        return pending.kind is None or pending.kind.pipelined
+        (not after a speculative step, unless it handed its drafts ahead: see
+        StepKind.pipelined)."""
+        return pending.kind is None or pending.kind.pipelined or pending.ahead is not None
+
+    def drafts_ahead(self, pending: PendingStep) -> dict[str, Sequence[int]]:
+        """The drafts a dispatched step proposed for the next, by request, when it
+        pipelines with them (the scheduler takes them before it is read)."""
+        return pending.ahead or {}
 
     def sampler_variants(self) -> list[SamplerVariant]:
         """Every sampler variant a batch can need (compiled at warm-up)."""

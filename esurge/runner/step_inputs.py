@@ -36,6 +36,11 @@ class StepInputs:
     ([slots, num_spec]), and draft_feed[t] >= 0 the flat buffer index of
     token row t's id (input_ids holds a stale value there).
 
+    A request of a speculative step still in flight (follow_src[i] >= 0) is
+    laid out as if that step accepted every draft; the device moves it back
+    over the drafts it rejected (device_step.follow_in_flight), and its first
+    token row takes that step's last token (follow_index).
+
     A decode burst (num_steps > 1) runs num_steps iterations: `batch` is the
     first (one token per request), iteration j moves every request one
     position on and writes its keys and values to burst_slots[j - 1].
@@ -59,6 +64,11 @@ class StepInputs:
     burst_slots: np.ndarray | None = None  # [num_steps - 1, G, T_bucket] int32
     draft_slots: np.ndarray | None = None  # [R] int32
     draft_feed: np.ndarray | None = None  # [T_bucket] int32
+    # Requests of a speculative step still in flight (build_step_inputs' follows):
+    # follow_src[i] is request i's row there (-1: none), follow_index[t] that
+    # row for the token row fed its last token.
+    follow_src: np.ndarray | None = None  # [R_model] int32
+    follow_index: np.ndarray | None = None  # [T_bucket] int32
 
 
 # The slot of a request's drafts in the draft buffer of the runner's head,
@@ -133,14 +143,16 @@ def query_tiles_for_bucket(num_tokens_bucket: int, tiled: bool = True) -> tuple[
 
 def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets, page_size: int,
                       prev_sample_index: dict[str, int], num_spec: int = 0,
-                      tiled: bool = True, draft_slot: DraftSlot | None = None) -> StepInputs:
+                      tiled: bool = True, draft_slot: DraftSlot | None = None,
+                      follows: dict[str, int] | None = None) -> StepInputs:
     """Flatten the scheduled requests into bucket-padded ForwardBatch arrays.
 
     prev_sample_index maps a request to its sampler row in the step still in
     flight, for tokens whose ids are not on the host yet. num_spec is the
     number of speculative tokens per step (0: speculation off). tiled: see
     query_tile_for. draft_slot finds drafts the head's buffer still holds
-    (StepInputs.draft_feed).
+    (StepInputs.draft_feed). follows maps the requests of a speculative step
+    still in flight to their rows there (StepInputs.follow_src).
     """
     sched = sorted(so.num_scheduled_tokens, key=ib.row_of.__getitem__)
     rows = np.array([ib.row_of[r] for r in sched], np.int64)
@@ -162,6 +174,15 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     token_rows = rows[req_of_token]
     ids = ib.token_ids[token_rows, positions]
     unknown = positions >= ib.num_known[token_rows] + num_drafts[req_of_token]
+    follow_src = None if follows is None else _follow_src(sched, follows, r_model)
+    if follow_src is not None:
+        unknown &= follow_src[req_of_token] < 0  # fed from the step in flight instead
+        on_host = (follow_src[:num_reqs] >= 0) & (num_drafts > 0)
+        if draft_slots is not None:
+            on_host &= draft_slots < 0
+        if on_host.any():  # their positions are not known on the host to write them at
+            raise ValueError(f"request {sched[int(on_host.argmax())]!r} follows a step in "
+                             "flight with drafts that are not on the device")
     prev_index = np.full(t_bucket, -1, np.int32)
     if unknown.any():
         prev_index[:total][unknown] = [prev_sample_index[sched[i]]
@@ -200,7 +221,28 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
                     else _draft_feed(draft_slots, num_drafts, ends, num_spec, t_bucket)),
         burst_slots=(_burst_slots(page_tables, positions, steps, page_size, t_bucket)
                      if steps > 1 else None),
+        follow_src=follow_src,
+        follow_index=(None if follow_src is None
+                      else _follow_index(follow_src[:num_reqs], starts, t_bucket)),
     )
+
+
+def _follow_src(sched: list[str], follows: dict[str, int], r_model: int) -> np.ndarray:
+    """[r_model] int32: each scheduled request's row in the step in flight, -1: none."""
+    src = np.full(r_model, -1, np.int32)
+    src[:len(sched)] = [follows.get(req_id, -1) for req_id in sched]
+    return src
+
+
+def _follow_index(src: np.ndarray,  # [R] int32
+                  starts: np.ndarray,  # [R] each request's first token row
+                  t_bucket: int) -> np.ndarray:
+    """[t_bucket] int32: a following request's first row takes its in-flight row's
+    last token; -1 elsewhere."""
+    index = np.full(t_bucket, -1, np.int32)
+    following = src >= 0
+    index[starts[following]] = src[following]
+    return index
 
 
 def _burst_slots(page_tables: np.ndarray,  # [G, R, P] the scheduled requests' pages

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from esurge.config import Config
@@ -49,6 +49,12 @@ class SchedulerInterface(ABC):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         """Apply a step's sampled tokens; return the new outputs keyed by client index."""
+
+    def take_drafts(self, drafts: Mapping[str, Sequence[int]]) -> None:
+        """Drafts a step still in flight proposed for the next, by request, so that
+        the next is scheduled (to verify them) before that step's output is applied."""
+        raise NotImplementedError(f"{type(self).__name__} does not schedule drafts ahead "
+                                  "of a step's output")
 
     @abstractmethod
     def add_request(self, request: EngineRequest) -> None:

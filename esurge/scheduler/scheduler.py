@@ -23,12 +23,12 @@ as a NewRequestData carrying its output tokens so far, and its prompt plus
 outputs are prefilled again (prefix hits usually make that cheap).
 
 Async scheduling with speculation. A step that verifies drafts holds a
-placeholder per draft as well as for its sampled token, released when its
-output arrives; a step with drafts must be updated before the next
-schedule() (its accepted count moves the request's position): the engine
-core collects it first, and schedule() refuses to run before. Drafts that
-arrive while a later step of the request is already scheduled are dropped:
-they would follow the wrong tokens.
+placeholder per draft and for its sampled token, counts its drafts as
+computed, and its update rolls back over the rejected ones; it must be
+updated before the next schedule() (refused before), unless the runner handed
+its proposals ahead (take_drafts): the next step then verifies them, planned
+as if every draft in flight were accepted. Drafts that arrive while a later
+step of the request is already scheduled are dropped (wrong tokens behind).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from esurge.config import Config, SchedulingPolicy
@@ -223,6 +223,17 @@ class Scheduler(SchedulerInterface):
             self._schedule_waiting(plan, budget)
         return self._publish(plan)
 
+    def take_drafts(self, drafts: Mapping[str, Sequence[int]]) -> None:
+        """Drafts proposed by the step just published, for the next to verify
+        before its output arrives (see the module docstring); async scheduling only."""
+        if not self.async_scheduling:
+            raise ValueError("drafts ahead of a step's output need async_scheduling")
+        for rid, ids in drafts.items():
+            request = self.requests.get(rid)
+            if request is not None and request.status is _RUNNING:
+                request.spec_token_ids = ids
+        self._verifying = False
+
     def _num_new_tokens(self, request: EngineRequest, budget: int) -> int:
         placeholders = request.num_output_placeholders
         if placeholders:
@@ -263,7 +274,8 @@ class Scheduler(SchedulerInterface):
             plan.running.append(request)
             plan.running_pages.append(pages)
             if request.spec_token_ids:
-                num_spec = request.num_computed_tokens + num_new - len(request.all_token_ids)
+                num_spec = (request.num_computed_tokens + num_new - len(request.all_token_ids)
+                            - request.num_output_placeholders)
                 if num_spec > 0:
                     plan.spec[rid] = request.spec_token_ids[:num_spec]
                 # Drafts not verified now would be stale after this step.

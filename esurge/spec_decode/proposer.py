@@ -99,7 +99,8 @@ def init_draft_cache(config: EagleConfig, num_pages: int, page_size: int,
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class DraftBatch:
-    """Host arrays of one proposal, aligned with the target step's (T, R) bucket.
+    """The arrays of one proposal, aligned with the target step's (T, R) bucket
+    (positions and slot_mapping as the target step ran them, on the device).
 
     slot_mapping and page_tables are the draft's cache group's. next_ids[t] is
     the known token after row t (0 when not known on the host); next_slot[t]

@@ -101,6 +101,9 @@ class FakeRunner:
     drafts: int = 0
     states: dict[str, _RunnerRequest] = field(default_factory=dict)
     steps: int = 0
+    # Drafts a step still in flight rejected, by request: the scheduler counted
+    # them as computed (it handed that step's drafts ahead), a runner moves back.
+    moved_back: dict[str, int] = field(default_factory=dict)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
@@ -114,7 +117,8 @@ class FakeRunner:
         cached = out.scheduled_cached_reqs
         for k, rid in enumerate(cached.req_ids):
             state = self.states[rid]
-            assert state.computed == cached.num_computed_tokens[k], rid
+            ahead = self.moved_back.get(rid, 0)
+            assert state.computed == cached.num_computed_tokens[k] - ahead, rid
             new_pages = cached.new_page_ids[k]
             if new_pages is not None:
                 for pages, extra in zip(state.pages, new_pages, strict=True):

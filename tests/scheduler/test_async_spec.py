@@ -165,6 +165,10 @@ class _MixedExecutor:
         drafts = result.spec_token_ids or []
         return not out.scheduled_spec_decode_tokens and not any(drafts)
 
+    def drafts_ahead(self, pending: tuple[SchedulerOutput, ModelRunnerOutput]
+                     ) -> dict[str, list[int]]:
+        return {}
+
 
 @pytest.mark.parametrize("num_pages", [200, 14])
 def test_async_core_pipelines_plain_steps_and_verifies_drafts(num_pages: int) -> None:

@@ -2,7 +2,8 @@
 step: each greedy request of a mix, run at once on a tight speculative engine
 (k = 3, a head that is right about half the time, async and priority
 scheduling, 23 usable pages: requests preempt, resume and share cached pages
-while drafts are accepted and rejected), gets what the plain engine gives it
+while drafts are accepted and rejected, and steps of greedy decoding hand
+their drafts to the next step), gets what the plain engine gives it
 alone, with every option that edits the logits (penalties, bias,
 allow-lists, bad words, min_tokens) applied at each verified position as if
 the tokens before it had been emitted one by one."""
@@ -62,5 +63,8 @@ def test_the_mixes_drafted_preempted_and_shared_pages(engines: tuple[eSurge, eSu
     drafts both accepted and rejected, preemptions, prefix hits, streams cut short."""
     stats = engines[1].stats
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    # Steps of greedy decoding requests handed their drafts to the next step,
+    # dispatched before they were read (moved back on the device).
+    assert engines[1].loop.core.num_drafts_ahead > 0
     assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens, stats.spec
     assert CUT_SHORT[engines[1]] > 0

@@ -87,6 +87,10 @@ class LockstepExecutor:
         """The runner's answer: the followers run the same kinds of steps."""
         return bool(self.runner.pipelines(pending))
 
+    def drafts_ahead(self, pending: Any) -> dict[str, Any]:
+        """The runner's (none across hosts: see eSurgeRunner.hands_drafts_ahead)."""
+        return dict(self.runner.drafts_ahead(pending))
+
     def shutdown(self) -> None:
         """Release the followers."""
         self.link.close()

@@ -8,7 +8,7 @@ is a step kind that is compiled before serving.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +64,9 @@ class PendingStep:
     host_tokens: np.ndarray | None = None
     # The kind's own device results (e.g. a speculative step's drafts).
     extra: object = None
+    # Drafts for the next step, handed over at dispatch: the step pipelines
+    # (the next is scheduled before this one is read) and the next verifies them.
+    ahead: dict[str, Sequence[int]] | None = None
     # time.perf_counter() when the runner began dispatching it.
     started: float = 0.0
 
@@ -117,7 +120,8 @@ class StepKind(Protocol):
 
     `pipelined`: the next step may be scheduled and dispatched while this one
     runs (async scheduling); a kind whose results decide the next step's
-    shape (how many drafts it accepted) says False.
+    shape (how many drafts it accepted) says False, unless a step of it hands
+    its drafts ahead (PendingStep.ahead).
     """
 
     name: str

@@ -8,7 +8,10 @@ device until `finish` reads the emitted tokens, which waits for the
 verification only: the new drafts stay in the head's draft buffer
 (`draft_slots`) and go back as `DeviceDrafts`, so the engine schedules and
 dispatches the next step while the device still drafts, and that step
-reads them there (`StepInputs.draft_feed`, `verify`'s draft slots).
+reads them there (`StepInputs.draft_feed`, `verify`'s draft slots). A
+steady step hands them over at dispatch instead (SpeculativeStep): the
+next step then starts where this one's verification leaves each request,
+which only the device knows (`follow_from`, StepInputs.follow_src).
 
 Requests whose sampling needs per-token host state (penalties, logit bias,
 allowed/bad tokens, min_tokens) are verified like any other but get no
@@ -50,6 +53,7 @@ from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.draft_inputs import (
     allowed_count,
     draft_inputs,
+    follow_inputs,
     scheduled_drafts,
 )
 from esurge.runner.steps.speculative.draft_slots import DraftSlots, ReadOnce
@@ -125,6 +129,7 @@ class SpecDecoder:
             raise ValueError(f"speculative_config does not enable Eagle: {spec!r}")
         self.num_spec = spec.num_speculative_tokens
         self.max_batch = max_rows
+        self.page_size = page_size
         # Under tensor parallelism the head is replicated: it is one small layer,
         # and its drafts must be the same on every device.
         weights = head_weights(model.config, on_mesh=model.mesh is not None)
@@ -146,6 +151,10 @@ class SpecDecoder:
                                                 jnp.float32), model.mesh)
         # Each drafting request's slot for its drafts and their distributions.
         self.slots = DraftSlots(max_rows, self.num_spec, model.mesh)
+        # The last verification's last tokens and rejected drafts, by row
+        # ([max_rows] each): where a step dispatched before it is read starts.
+        zeros = replicated(jnp.zeros(max_rows, jnp.int32), model.mesh)
+        self.follow_from: tuple[jax.Array, jax.Array] = (zeros, zeros)
         self.stats = SpecDecodeStats()
         self.policy = policy or SpeculationPolicy()
         # Each step's draft count, once warm-up has measured the step costs
@@ -272,8 +281,9 @@ class SpecDecoder:
         feed = inputs.draft_feed
         if feed is None:  # warm-up and calibration: every id on the host
             feed = np.full(len(inputs.batch.input_ids), -1, np.int32)
-        logits, hidden, features, kv_cache = model_step_features(
-            model_state, kv_cache, inputs.batch, self.feature_layers, self.slots.buffer, feed)
+        logits, hidden, features, kv_cache, moved = model_step_features(
+            model_state, kv_cache, inputs.batch, self.feature_layers, self.slots.buffer, feed,
+            follow_inputs(inputs, *self.follow_from), self.page_size)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         draft_slots = np.full(inputs.num_reqs_bucket, -1, np.int32)
         if inputs.draft_slots is not None:
@@ -281,9 +291,13 @@ class SpecDecoder:
         real = len(inputs.req_ids) if requests is None else requests
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
                               self.slots.buffer, draft_slots, variant, self.draft_vocab,
-                              np.int32(real * (1 + self.num_spec)))
-        draft_batch, eligible = draft_inputs(ib, inputs, tensors, self.group, self.unsynced)
+                              np.int32(real * (1 + self.num_spec)), self.max_batch)
+        if verified.last_tokens is not None and verified.rejected is not None:
+            self.follow_from = (verified.last_tokens, verified.rejected)
+        draft_batch, eligible = draft_inputs(ib, inputs, tensors, self.group, self.unsynced,
+                                             moved)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
+
 
     def proposal(self, model_state: ModelState, ib: InputBatch, inputs: StepInputs,
                  target: TargetPass, *, grammar_rows: np.ndarray | None = None,
@@ -352,18 +366,22 @@ class SpecDecoder:
             n, nd = int(num_out[i]), int(inputs.num_drafts[i])
             new = tokens[i, :n].tolist()
             emitted.append(new)
-            row = ib.row_of[req_id]
-            start = int(inputs.seq_lens[i]) - nd
-            ib.record_tokens(row, start, new)
-            ib.sampling.observe(row, new)
+            row = ib.row_of.get(req_id)
+            if row is not None:  # not dropped by a step dispatched since (finished, preempted)
+                # After the known tokens: a step built before this one was read
+                # placed its tokens as if every draft had been accepted.
+                ib.record_tokens(row, int(ib.num_known[row]), new)
+                ib.sampling.observe(row, new)
             if nd:
                 verifications, drafted, accepted = verifications + 1, drafted + nd, accepted + n - 1
                 outcomes.append((nd, n - 1))
-                if not self._still_drafts(req_id, nd, n - 1, len(inputs.req_ids)):
+                if row is None or not self._still_drafts(req_id, nd, n - 1,
+                                                          len(inputs.req_ids)):
                     proposals.append([])  # from the next step on it decodes plainly
                     continue
             proposals.append(self._proposed(ib, inputs, i, n, step, drafts)
-                             if step.propose[i] and drafts is not None else [])
+                             if step.propose[i] and drafts is not None and row is not None
+                             else [])
         self.stats.record(verifications, drafted, accepted)
         if self.lengths is not None and outcomes:
             self.lengths.acceptance.record(outcomes)

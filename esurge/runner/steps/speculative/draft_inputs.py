@@ -3,15 +3,18 @@ proposer's arrays, aligned with the target step's (T, R) bucket."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
+from esurge.models.batch import ForwardBatch
+from esurge.runner.device_step import FollowInputs
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplingTensors
 from esurge.runner.step_inputs import StepInputs
 from esurge.runner.steps.speculative.draft_slots import DraftSlots
 from esurge.spec_decode.proposer import DraftBatch
 
-__all__ = ["allowed_count", "draft_inputs", "scheduled_drafts"]
+__all__ = ["allowed_count", "draft_inputs", "follow_inputs", "scheduled_drafts"]
 
 
 def scheduled_drafts(ib: InputBatch, inputs: StepInputs, k: int, slots: DraftSlots
@@ -35,10 +38,12 @@ def scheduled_drafts(ib: InputBatch, inputs: StepInputs, k: int, slots: DraftSlo
 
 
 def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, group: int,
-                 unsynced_ids: set[str]) -> tuple[DraftBatch, np.ndarray]:
-    """The proposer's host arrays for this step (`DraftBatch`), and which
-    requests may draft ([num_reqs] bool): not those with per-token sampling
-    state (dense), nor those whose drafts stopped (`unsynced_ids`)."""
+                 unsynced_ids: set[str], moved: ForwardBatch) -> tuple[DraftBatch, np.ndarray]:
+    """The proposer's arrays for this step (`DraftBatch`), and which requests
+    may draft ([num_reqs] bool): not those with per-token sampling state
+    (dense), nor those whose drafts stopped (`unsynced_ids`). `moved` is the
+    batch as the target ran it (model_step_features): the head writes its
+    cache at those positions, which the host may not know yet."""
     batch, total = inputs.batch, inputs.num_tokens
     num_reqs, r_bucket = len(inputs.req_ids), inputs.num_reqs_bucket
     t_bucket = len(batch.input_ids)
@@ -63,8 +68,8 @@ def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, g
     propose_mask = np.zeros(r_bucket, bool)
     propose_mask[:num_reqs] = eligible
     draft_batch = DraftBatch(
-        positions=batch.positions, token_req=batch.token_req,
-        slot_mapping=batch.slot_mapping[group], page_tables=batch.page_tables[group],
+        positions=moved.positions, token_req=batch.token_req,
+        slot_mapping=moved.slot_mapping[group], page_tables=batch.page_tables[group],
         # The batch's real rows (the step's tokens; more in calibrate's timing steps).
         num_tokens=np.int32(batch.query_start_loc[-1]), next_ids=next_ids,
         next_slot=next_slot,
@@ -85,3 +90,16 @@ def allowed_count(ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
         limit = min(limit, max_tokens - (num_tokens - int(ib.num_prompt[row])) - 1)
     limit = min(limit, ib.max_model_len - num_tokens - 1)
     return max(limit, 0)
+
+
+def follow_inputs(inputs: StepInputs, last_tokens: jax.Array,  # [M] int32
+                  rejected: jax.Array,  # [M] int32
+                  ) -> FollowInputs:
+    """Where this step's requests of the speculative step in flight start, from
+    the last verification's last tokens and rejected drafts by row (that step's:
+    it was the last one verified); nothing moves where no request follows one."""
+    index, src = inputs.follow_index, inputs.follow_src
+    return FollowInputs(
+        index=np.full(len(inputs.batch.input_ids), -1, np.int32) if index is None else index,
+        src=np.full(len(inputs.batch.seq_lens), -1, np.int32) if src is None else src,
+        last_tokens=last_tokens, rejected=rejected)

@@ -2,12 +2,18 @@
 
 With Eagle on, a step is one of these where the runner's speculation policy
 says drafting pays, or drafts wait for verification; the others are plain
-steps. A speculative step does not pipeline: the engine collects it before
-scheduling the next (how many drafts it accepts moves every later position),
-but collecting waits for its verification only, not for its proposals: the
-next step is scheduled and dispatched while the device still drafts, reads
-those drafts on the device, and is queued before the outputs go back to
-the loop. The plain steps of the same engine overlap as in any other. One
+steps. How many drafts a step accepts moves every later position, so under
+async scheduling a speculative step pipelines only when it is steady (every
+request decodes greedily, unconstrained, and drafts again): it then hands
+its proposals to the scheduler at dispatch (PendingStep.ahead), and the next
+step, scheduled before this one is read, verifies them laid out as if every
+draft in flight were accepted; the device moves each request back over the
+ones its verification rejected (device_step.follow_in_flight). Any other
+speculative step is collected before the next is scheduled, but collecting
+waits for its verification only, not for its proposals: the next step is
+scheduled and dispatched while the device still drafts, reads those drafts
+on the device, and is queued before the outputs go back to the loop. The
+plain steps of the same engine overlap as in any other. One
 dispatched behind a plain step still in flight first reads that step's
 tokens to the host. A constrained request's drafts are drawn under its
 grammar's masks (`masked.py`, on the host) and verified under the masks its
@@ -30,6 +36,7 @@ from esurge.runner.steps.base import PendingStep, Program, StepPlan, WarmupPlan
 from esurge.runner.steps.padding import padding_inputs, with_tiles
 from esurge.runner.steps.plain import sampling_tensors
 from esurge.runner.steps.speculative.decoder import SpecDecoder, SpecStep
+from esurge.runner.steps.speculative.draft_slots import ReadOnce
 from esurge.runner.steps.speculative.masked import masked_proposals, warm_masked_step
 from esurge.runner.steps.speculative.verify import emitted_logprobs, verify_jit
 
@@ -63,7 +70,29 @@ class SpeculativeStep:
             runner.model.model_state, device.kv_cache, runner.input_batch, inputs, tensors,
             plan.variant, grammar_rows=grammar_rows)
         plp = runner.prompt_logprobs.compute(runner.input_batch, inputs, hidden)
-        return PendingStep(self, inputs, None, plp, extra=step)
+        # Read now: by collect the next step's batch update may have moved the rows.
+        pending = PendingStep(self, inputs, None, plp, extra=step,
+                              num_logprobs=runner.input_batch.sampling.num_logprobs[inputs.rows])
+        if (runner.hands_drafts_ahead and not plp and step.drafts is not None
+                and step.slots is not None and self._steady(plan, step)):
+            drafts, slots, kept = ReadOnce(step.drafts), self.spec.slots, step.slots
+            pending.ahead = {
+                req_id: slots.on_device(int(kept[i]), step.generation, step.count, drafts, i)
+                for i, req_id in enumerate(inputs.req_ids)}
+        return pending
+
+    def _steady(self, plan: StepPlan, step: SpecStep) -> bool:
+        """Whether the next step can be scheduled before this one is read: every
+        request decodes greedily, unconstrained, and drafts again (the next step
+        verifies those drafts where this one's verification leaves each request,
+        which only the device knows until then)."""
+        inputs, variant = plan.inputs, plan.variant
+        num_reqs = len(inputs.req_ids)
+        return (variant.all_greedy and not variant.dense and not plan.constrained
+                and step.count >= 1 and bool(step.propose.all())
+                and bool(inputs.samples.all())
+                and inputs.num_tokens == num_reqs + int(inputs.num_drafts.sum())
+                and self.spec.policy.speculate(num_reqs))
 
     def _masks(self, inputs: StepInputs, constrained: bool) -> np.ndarray:
         """[requests bucket * (k + 1), words]: each request's masks after each draft."""
@@ -101,7 +130,8 @@ class SpeculativeStep:
             req_id_to_index={rid: i for i, rid in enumerate(inputs.req_ids)},
             sampled_token_ids=emitted,
             spec_token_ids=proposals,
-            logprobs=emitted_logprobs(inputs, step.verified, ib.sampling.num_logprobs),
+            logprobs=(None if pending.num_logprobs is None
+                      else emitted_logprobs(inputs, step.verified, pending.num_logprobs)),
             prompt_logprobs=pending.prompt_logprobs,
         )
 
@@ -157,5 +187,5 @@ class SpeculativeStep:
                          np.zeros(requests, np.int32), self.spec.prob_buffer,
                          np.zeros(requests, np.int32), self.spec.slots.buffer,
                          np.full(requests, -1, np.int32), variant, self.spec.draft_vocab,
-                         np.int32(requests * (k + 1)))
+                         np.int32(requests * (k + 1)), self.spec.max_batch)
         return out.token_ids

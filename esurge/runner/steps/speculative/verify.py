@@ -55,6 +55,10 @@ class SpecSamplerOutput:
 
     token_ids: jax.Array  # [R, S] int32: the first num_out of each row are emitted
     num_out: jax.Array  # [R] int32
+    # Padded to the runner's rows: each request's last emitted token and its
+    # rejected drafts, for a step dispatched before this one is read (FollowInputs).
+    last_tokens: jax.Array | None = None  # [max_rows] int32
+    rejected: jax.Array | None = None  # [max_rows] int32
     draft_noise: jax.Array | None = None  # [k, R, draft_vocab] Gumbel noise for drafting
     logprob_token_ids: jax.Array | None = None  # [R, S, 1 + MAX_LOGPROBS] int32
     logprobs: jax.Array | None = None  # [R, S, 1 + MAX_LOGPROBS] float32
@@ -112,12 +116,14 @@ def verify(
     variant: SamplerVariant,
     draft_vocab: int,
     num_rows: jax.Array,  # [] int32: logits rows of real requests (the first ones)
+    feedback_size: int,
 ) -> SpecSamplerOutput:
     """Verify every request's drafts; see the module docstring. The greedy pick
     skips the padding requests' rows where the backend loops over rows
     (esurge.runner.real_rows): a lone request in a bucket of 4 has 15 of 20.
     A request's drafts come from draft_buffer where draft_slots names a slot
-    (the previous step's proposals, never read to the host)."""
+    (the previous step's proposals, never read to the host). feedback_size
+    pads last_tokens and rejected to the runner's rows."""
     drafts = jnp.where((draft_slots >= 0)[:, None],
                        draft_buffer[jnp.maximum(draft_slots, 0)], drafts)
     r, k = drafts.shape
@@ -134,17 +140,23 @@ def verify(
         tokens = jnp.where(sampled_req[:, None], s_tokens, tokens)
         num_out = jnp.where(sampled_req, s_num, num_out)
         noise = _draft_noise(tensors, k, draft_vocab)
+    last = jnp.take_along_axis(tokens, jnp.maximum(num_out - 1, 0)[:, None], axis=1)[:, 0]
+    out = SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise,
+                            last_tokens=_padded(last, feedback_size),
+                            rejected=_padded(num_drafts - num_out + 1, feedback_size))
     if not variant.logprobs:
-        return host_visible(SpecSamplerOutput(token_ids=tokens, num_out=num_out,
-                                              draft_noise=noise))
+        return host_visible(out)
     ids, lps, ranks = token_logprobs(raw, tokens.reshape(-1))
-    return host_visible(SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise,
-                                          logprob_token_ids=ids.reshape(r, s, -1),
-                                          logprobs=lps.reshape(r, s, -1),
-                                          ranks=ranks.reshape(r, s)))
+    return host_visible(dataclasses.replace(
+        out, logprob_token_ids=ids.reshape(r, s, -1), logprobs=lps.reshape(r, s, -1),
+        ranks=ranks.reshape(r, s)))
 
 
-verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab"))
+def _padded(values: jax.Array, size: int) -> jax.Array:  # [R] -> [size] int32, zero padded
+    return jnp.zeros(size, jnp.int32).at[:values.shape[0]].set(values.astype(jnp.int32))
+
+
+verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab", "feedback_size"))
 
 
 @partial(jax.jit, donate_argnums=(0,))
@@ -168,7 +180,7 @@ def store_draft_probs(
 
 
 def emitted_logprobs(inputs: StepInputs, verified: SpecSamplerOutput,
-                     num_logprobs: np.ndarray  # [max_rows] by batch row
+                     num_logprobs: np.ndarray  # [R] per scheduled request, read at dispatch
                      ) -> list[list[TokenLogprobs] | None] | None:
     """Per request, one TokenLogprobs per emitted token (None where not asked)."""
     if verified.logprobs is None or verified.logprob_token_ids is None or (
@@ -178,7 +190,7 @@ def emitted_logprobs(inputs: StepInputs, verified: SpecSamplerOutput,
     ranks, num_out = to_host(verified.ranks), to_host(verified.num_out)
     out: list[list[TokenLogprobs] | None] = []
     for i in range(len(inputs.req_ids)):
-        n = int(num_logprobs[inputs.rows[i]])
+        n = int(num_logprobs[i])
         if n < 0 or not inputs.samples[i]:
             out.append(None)
             continue
