@@ -24,7 +24,7 @@ from esurge.runner.sampler import (
     token_logprobs,
 )
 
-__all__ = ["FollowInputs", "decode_burst_step", "follow_in_flight", "model_step",
+__all__ = ["FollowInputs", "decode_burst_step", "follow_in_flight", "follow_shift", "model_step",
            "model_step_features", "pad_tokens",
            "prompt_logprobs_step", "sample_step", "sampled_logprobs_step"]
 
@@ -125,11 +125,19 @@ class FollowInputs:
     rejected: jax.Array  # [M] int32: its rejected drafts per row
 
 
+def follow_shift(src: jax.Array | np.ndarray,  # [R] int32 (FollowInputs.src)
+                 rejected: jax.Array,  # [M] int32 (FollowInputs.rejected)
+                 ) -> jax.Array:
+    """[R] int32: how far each request moves back (0 where it follows no step)."""
+    src = jnp.asarray(src)
+    return jnp.where(src >= 0, -rejected[jnp.maximum(src, 0)], 0)
+
+
 def follow_in_flight(batch: ForwardBatch, follow: FollowInputs, page_size: int) -> ForwardBatch:
     """The batch with every request of the step in flight moved back over its
     rejected drafts (positions, cache slots, lengths) and fed that step's last
     tokens: nothing moves where src is -1 and index is -1 everywhere."""
-    shift_req = jnp.where(follow.src >= 0, -follow.rejected[jnp.maximum(follow.src, 0)], 0)
+    shift_req = follow_shift(follow.src, follow.rejected)
     token_req = jnp.asarray(batch.token_req)
     real = jnp.arange(token_req.shape[0]) < jnp.asarray(batch.query_start_loc)[-1]
     shift = jnp.where(real, shift_req[token_req], 0)  # [T]

@@ -244,6 +244,29 @@ def test_partial_acceptance_keeps_tokens(bigram_dirs: tuple[Path, Path], probs: 
         assert preemptions > 0
 
 
+def test_seeded_samples_draw_the_same_tokens_when_steps_hand_drafts_ahead(
+        bigram_dirs: tuple[Path, Path]) -> None:
+    # Draws are keyed by (seed, output position): a step scheduled before the one
+    # in flight is read must sample at the positions the device moved it to.
+    target, _ = bigram_pair(bigram_dirs[0].parent, perturb=0.35)
+    head = target.parent / "bigram_head_0.35"
+    rng = np.random.default_rng(8)
+    batch = [rng.integers(0, VOCAB, size=int(n)).tolist() for n in np.linspace(20, 30, 6)]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=40 + i, max_tokens=40,
+                             ignore_eos=True) for i in range(len(batch))]
+    tokens, ahead = {}, {}
+    for async_ in (False, True):
+        config = spec_config(BIGRAM_K, head, max_num_seqs=32, batched_tokens=64,
+                             async_=async_, prefix=False)
+        with eSurge(target, config, show_progress=False, warmup=False, min_token_bucket=32,
+                    speculation="always") as llm:
+            tokens[async_] = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+            ahead[async_], stats = llm.loop.core.num_drafts_ahead, llm.runner.spec_stats
+        assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert tokens[True] == tokens[False]
+    assert ahead[True] > 10 and ahead[False] == 0
+
+
 def test_speculation_off_costs_nothing(bigram_dirs: tuple[Path, Path], probs: np.ndarray) -> None:
     jitted: tuple[Any, ...] = (model_step_features, verify_jit, proposer.propose_first,
                                proposer._propose_rest)

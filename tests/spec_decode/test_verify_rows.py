@@ -35,7 +35,7 @@ def test_verification_of_one_request_in_a_bucket_of_four() -> None:
     def run(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
         out = verify_jit(logits, _greedy_tensors(BUCKET), drafts, num_drafts, probs, slots,
                          NO_BUFFER, np.full(BUCKET, -1, np.int32), SamplerVariant(), VOCAB,
-                         np.int32(num_rows), FEEDBACK)
+                         np.int32(num_rows), NO_FOLLOW, NO_REJECTED, FEEDBACK)
         if num_rows == K + 1:  # what a step dispatched before this one is read takes from it
             assert out.last_tokens is not None and out.rejected is not None
             assert np.asarray(out.last_tokens).shape == (FEEDBACK,)
@@ -53,6 +53,8 @@ def test_verification_of_one_request_in_a_bucket_of_four() -> None:
 
 NO_BUFFER = jnp.zeros((BUCKET + 1, K), jnp.int32)
 FEEDBACK = 8  # the runner's rows, past the bucket
+NO_FOLLOW = np.full(BUCKET, -1, np.int32)  # no request follows a step in flight
+NO_REJECTED = jnp.zeros(FEEDBACK, jnp.int32)
 
 
 def test_drafts_kept_on_the_device_are_verified_as_drafts_from_the_host() -> None:
@@ -68,7 +70,7 @@ def test_drafts_kept_on_the_device_are_verified_as_drafts_from_the_host() -> Non
     def run(host: np.ndarray, buffer: jax.Array, draft_slots: np.ndarray) -> list[list[int]]:
         out = verify_jit(logits, _greedy_tensors(BUCKET), host, num_drafts, probs, slots,
                          buffer, draft_slots, SamplerVariant(), VOCAB, np.int32(BUCKET * (K + 1)),
-                         FEEDBACK)
+                         NO_FOLLOW, NO_REJECTED, FEEDBACK)
         num = np.asarray(out.num_out)
         return [np.asarray(out.token_ids)[i, :num[i]].tolist() for i in range(BUCKET)]
 

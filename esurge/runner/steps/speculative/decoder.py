@@ -281,9 +281,10 @@ class SpecDecoder:
         feed = inputs.draft_feed
         if feed is None:  # warm-up and calibration: every id on the host
             feed = np.full(len(inputs.batch.input_ids), -1, np.int32)
+        follow = follow_inputs(inputs, *self.follow_from)
         logits, hidden, features, kv_cache, moved = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers, self.slots.buffer, feed,
-            follow_inputs(inputs, *self.follow_from), self.page_size)
+            follow, self.page_size)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         draft_slots = np.full(inputs.num_reqs_bucket, -1, np.int32)
         if inputs.draft_slots is not None:
@@ -291,7 +292,8 @@ class SpecDecoder:
         real = len(inputs.req_ids) if requests is None else requests
         verified = verify_jit(logits, tensors, drafts, num_drafts, self.prob_buffer, prob_slots,
                               self.slots.buffer, draft_slots, variant, self.draft_vocab,
-                              np.int32(real * (1 + self.num_spec)), self.max_batch)
+                              np.int32(real * (1 + self.num_spec)), follow.src, follow.rejected,
+                              self.max_batch)
         if verified.last_tokens is not None and verified.rejected is not None:
             self.follow_from = (verified.last_tokens, verified.rejected)
         draft_batch, eligible = draft_inputs(ib, inputs, tensors, self.group, self.unsynced,
@@ -379,7 +381,7 @@ class SpecDecoder:
                                                           len(inputs.req_ids)):
                     proposals.append([])  # from the next step on it decodes plainly
                     continue
-            proposals.append(self._proposed(ib, inputs, i, n, step, drafts)
+            proposals.append(self._proposed(ib, row, i, step, drafts)
                              if step.propose[i] and drafts is not None and row is not None
                              else [])
         self.stats.record(verifications, drafted, accepted)
@@ -420,11 +422,11 @@ class SpecDecoder:
         self._stop((req_id,))
         return False
 
-    def _proposed(self, ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
-                  step: SpecStep, drafts: ReadOnce) -> Sequence[int]:
-        """Request i's proposals (as many as allowed_count lets through), left
-        where they wait on the device."""
-        count = allowed_count(ib, inputs, i, num_emitted, step.count)
+    def _proposed(self, ib: InputBatch, row: int, i: int, step: SpecStep,
+                  drafts: ReadOnce) -> Sequence[int]:
+        """Request i's proposals (as many as allowed_count lets through after its
+        recorded tokens), left where they wait on the device."""
+        count = allowed_count(ib, row, int(ib.num_known[row]), step.count)
         if not count or step.slots is None:
             return []
         return self.slots.on_device(int(step.slots[i]), step.generation, count, drafts, i)

@@ -78,12 +78,10 @@ def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, g
     return draft_batch, eligible
 
 
-def allowed_count(ib: InputBatch, inputs: StepInputs, i: int, num_emitted: int,
-                  count: int) -> int:
-    """How many of request i's `count` drafts could still be emitted after the
-    step's num_emitted tokens: none past max_tokens or max_model_len."""
-    row = ib.row_of[inputs.req_ids[i]]
-    num_tokens = int(inputs.seq_lens[i]) - int(inputs.num_drafts[i]) + num_emitted
+def allowed_count(ib: InputBatch, row: int, num_tokens: int, count: int) -> int:
+    """How many of a request's `count` drafts could still be emitted once it
+    holds num_tokens tokens (prompt included): none past max_tokens or
+    max_model_len."""
     limit = count
     max_tokens = ib.params[row].max_tokens
     if max_tokens is not None:

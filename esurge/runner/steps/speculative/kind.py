@@ -36,6 +36,7 @@ from esurge.runner.steps.base import PendingStep, Program, StepPlan, WarmupPlan
 from esurge.runner.steps.padding import padding_inputs, with_tiles
 from esurge.runner.steps.plain import sampling_tensors
 from esurge.runner.steps.speculative.decoder import SpecDecoder, SpecStep
+from esurge.runner.steps.speculative.draft_inputs import allowed_count
 from esurge.runner.steps.speculative.draft_slots import ReadOnce
 from esurge.runner.steps.speculative.masked import masked_proposals, warm_masked_step
 from esurge.runner.steps.speculative.verify import emitted_logprobs, verify_jit
@@ -83,16 +84,25 @@ class SpeculativeStep:
 
     def _steady(self, plan: StepPlan, step: SpecStep) -> bool:
         """Whether the next step can be scheduled before this one is read: every
-        request decodes greedily, unconstrained, and drafts again (the next step
-        verifies those drafts where this one's verification leaves each request,
-        which only the device knows until then)."""
+        request decodes, with no per-token host state (a dense sampler) nor
+        grammar, and drafts again (the next step verifies those drafts where
+        this one's verification leaves each request, which only the device
+        knows until then; random draws are keyed by the moved positions)."""
         inputs, variant = plan.inputs, plan.variant
         num_reqs = len(inputs.req_ids)
-        return (variant.all_greedy and not variant.dense and not plan.constrained
+        return (not variant.dense and not plan.constrained
                 and step.count >= 1 and bool(step.propose.all())
                 and bool(inputs.samples.all())
                 and inputs.num_tokens == num_reqs + int(inputs.num_drafts.sum())
-                and self.spec.policy.speculate(num_reqs))
+                and self.spec.policy.speculate(num_reqs) and self._room(inputs, step.count))
+
+    def _room(self, inputs: StepInputs, count: int) -> bool:
+        """Whether every request keeps all `count` drafts however many of this
+        step's it accepts (allowed_count), as a step read first would give it:
+        near max_tokens or max_model_len the next step waits for this one."""
+        ib = self.runner.input_batch
+        return all(allowed_count(ib, ib.row_of[req_id], int(inputs.seq_lens[i]) + 1, count)
+                   == count for i, req_id in enumerate(inputs.req_ids))
 
     def _masks(self, inputs: StepInputs, constrained: bool) -> np.ndarray:
         """[requests bucket * (k + 1), words]: each request's masks after each draft."""
@@ -187,5 +197,6 @@ class SpeculativeStep:
                          np.zeros(requests, np.int32), self.spec.prob_buffer,
                          np.zeros(requests, np.int32), self.spec.slots.buffer,
                          np.full(requests, -1, np.int32), variant, self.spec.draft_vocab,
-                         np.int32(requests * (k + 1)), self.spec.max_batch)
+                         np.int32(requests * (k + 1)), np.full(requests, -1, np.int32),
+                         self.spec.follow_from[1], self.spec.max_batch)
         return out.token_ids

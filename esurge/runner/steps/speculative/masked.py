@@ -89,8 +89,14 @@ def masked_proposals(spec: SpecDecoder, model_state: ModelState, ib: InputBatch,
     if probs:
         missing = [jnp.zeros_like(probs[0])] * (spec.num_spec - len(probs))
         spec.store_probs(ib, inputs, step.propose, jnp.stack(probs + missing, axis=1))
-    return [p[:allowed_count(ib, inputs, i, len(emitted[i]), len(p))] if p else []
-            for i, p in enumerate(proposals)]
+    return [p[:_allowed(ib, req_id, len(p))] if p else []
+            for req_id, p in zip(inputs.req_ids, proposals, strict=True)]
+
+
+def _allowed(ib: InputBatch, req_id: str, count: int) -> int:
+    """allowed_count after this step's tokens were recorded (0: left the batch)."""
+    row = ib.row_of.get(req_id)
+    return 0 if row is None else allowed_count(ib, row, int(ib.num_known[row]), count)
 
 
 def warm_masked_step(spec: SpecDecoder, model_state: ModelState, step: SpecStep,

@@ -27,6 +27,7 @@ from flax import struct
 from esurge.models.local_shards import host_visible
 from esurge.models.reductions import first_argmax
 from esurge.outputs import TokenLogprobs
+from esurge.runner.device_step import follow_shift
 from esurge.runner.host_read import to_host
 from esurge.runner.real_rows import argmax_rows
 from esurge.runner.sampler import (
@@ -116,16 +117,23 @@ def verify(
     variant: SamplerVariant,
     draft_vocab: int,
     num_rows: jax.Array,  # [] int32: logits rows of real requests (the first ones)
+    follow_src: jax.Array,  # [R] int32: FollowInputs.src of the target step
+    follow_rejected: jax.Array,  # [M] int32: FollowInputs.rejected
     feedback_size: int,
 ) -> SpecSamplerOutput:
     """Verify every request's drafts; see the module docstring. The greedy pick
     skips the padding requests' rows where the backend loops over rows
     (esurge.runner.real_rows): a lone request in a bucket of 4 has 15 of 20.
     A request's drafts come from draft_buffer where draft_slots names a slot
-    (the previous step's proposals, never read to the host). feedback_size
-    pads last_tokens and rejected to the runner's rows."""
+    (the previous step's proposals, never read to the host). The follow
+    arrays move the output positions (which key the random draws) of requests placed as
+    if a step still in flight accepted every draft, as the target step moved
+    theirs (device_step.follow_in_flight). feedback_size pads last_tokens and
+    rejected to the runner's rows."""
     drafts = jnp.where((draft_slots >= 0)[:, None],
                        draft_buffer[jnp.maximum(draft_slots, 0)], drafts)
+    moved = jnp.asarray(tensors.positions) + follow_shift(follow_src, follow_rejected)
+    tensors = dataclasses.replace(tensors, positions=moved)
     r, k = drafts.shape
     s = k + 1
     rows = _per_row(tensors, s)
