@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,8 @@ from esurge.runner.steps.speculative.draft_inputs import (
     scheduled_drafts,
 )
 from esurge.runner.steps.speculative.draft_slots import DraftSlots, ReadOnce
-from esurge.runner.steps.speculative.verify import SpecSamplerOutput, store_draft_probs, verify_jit
+from esurge.runner.steps.speculative.step_results import SpecStep, TargetPass
+from esurge.runner.steps.speculative.verify import store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
 from esurge.spec_decode.checkpoint import head_serving_dtype, head_weights, load_eagle_head
 from esurge.spec_decode.config import EagleLayout
@@ -70,9 +70,7 @@ from esurge.spec_decode.draft_length import (
 )
 from esurge.spec_decode.policy import SpeculationPolicy, step_cost
 from esurge.spec_decode.proposer import (
-    DraftBatch,
     DraftKVCache,
-    FirstDraft,
     draft_group,
     init_draft_cache,
     propose,
@@ -81,42 +79,9 @@ from esurge.spec_decode.proposer import (
 from esurge.spec_decode.request_gate import RequestGate
 from esurge.spec_decode.stats import SpecDecodeStats
 
-__all__ = ["SpecDecoder", "SpecStep"]
+__all__ = ["SpecDecoder", "SpecStep", "TargetPass"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SpecStep:
-    """A dispatched speculative step: device results plus host facts to read them.
-
-    A step whose drafts must follow grammars has no `drafts` yet: `first` and
-    `draft_batch` are where `masked_proposals` continues once the host knows
-    the emitted tokens.
-    """
-
-    verified: SpecSamplerOutput
-    drafts: jax.Array | None  # [R, D] int32: the first `count` of each row proposed
-    propose: np.ndarray  # [num_reqs] bool
-    first: FirstDraft | None = None
-    draft_batch: DraftBatch | None = None
-    count: int = 0  # drafts proposed per request
-    # [R] each request's slot in the draft buffer (the sink where it did not
-    # draft), and which proposal of the decoder this was (None: not kept there).
-    slots: np.ndarray | None = None
-    generation: int = 0
-
-
-@dataclass(slots=True)
-class TargetPass:
-    """A speculative step's target forward and verification, before its proposal."""
-
-    logits: jax.Array  # [L, V]: each request's 1 + k rows
-    hidden: jax.Array  # [T, H]
-    features: jax.Array  # [T, F]: final hidden (EAGLE-1) or n layers' outputs, [T, n * H]
-    verified: SpecSamplerOutput
-    draft_batch: DraftBatch
-    eligible: np.ndarray  # [num_reqs] bool: requests that may draft
 
 
 class SpecDecoder:
