@@ -53,6 +53,7 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
                                proposer.propose_first, proposer._propose_rest)
     before = [f._cache_size() for f in jitted]
     overlapped_before = adaptive_engine.loop.core.num_overlapped_steps
+    ahead_before = adaptive_engine.loop.core.num_drafts_ahead
     # Four prompts admitted in one step, then decoding together (batch 4 throughout).
     batch = [p[:5] for p in prompts(4, seed=6)]
     outs = adaptive_engine.generate(batch, greedy(40))
@@ -65,6 +66,8 @@ def test_switching_modes_keeps_every_token(adaptive_engine: eSurge,
     assert [f._cache_size() for f in jitted] == before  # warm-up compiled both modes
     core = adaptive_engine.loop.core
     assert core.async_scheduling and core.num_overlapped_steps > overlapped_before
+    # Speculative steps handed their drafts ahead (pipelined) with nothing compiled.
+    assert core.num_drafts_ahead > ahead_before
 
     # A request alone: the policy measured plain decoding at batch 1 only if
     # plain steps ran there; whatever it chose, the tokens are the target's.
