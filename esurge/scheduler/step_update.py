@@ -79,11 +79,15 @@ class StepUpdate:
                 self.finished.append(request)
                 (self.finished_running if status is _RUNNING else self.finished_waiting).add(
                     request)
-            elif drafts_out is not None and status is _RUNNING and (
-                    not request.num_output_placeholders):
-                # Drafts proposed while a later step of the request is already
-                # scheduled would follow the wrong tokens: they are dropped.
-                request.spec_token_ids = drafts_out[i]
+            elif drafts_out is not None and status is _RUNNING:
+                if not request.num_output_placeholders:
+                    request.spec_token_ids = drafts_out[i]
+                elif not drafts_out[i]:
+                    # The runner stopped the request's drafts: those a later step
+                    # handed ahead (Scheduler.take_drafts) are not verified either.
+                    request.spec_token_ids = []
+                # Other drafts proposed while a later step of the request is
+                # already scheduled would follow the wrong tokens: dropped.
             step_prompt_logprobs = prompt_logprobs.get(rid) if prompt_logprobs else None
             if new_ids or stopped or step_prompt_logprobs is not None:
                 token_logprobs = logprobs[i] if logprobs is not None else None

@@ -126,6 +126,25 @@ def test_a_step_scheduled_ahead_verifies_the_drafts_and_its_update_rolls_back() 
     assert a.spec_token_ids == [41]
 
 
+def test_a_request_whose_drafts_stop_drops_the_drafts_handed_ahead() -> None:
+    s = make_scheduler(async_scheduling=True, num_spec=2, page_size=4)
+    a = make_request("a", [1, 2, 3, 4], 20, ignore_eos=True)
+    s.add_request(a)
+    s.update_from_output(s.schedule(), ModelRunnerOutput(["a"], {"a": 0}, [[10]], [[11, 12]]))
+    first = s.schedule()
+    s.take_drafts({"a": [21, 22]})
+    second = s.schedule()
+    s.take_drafts({"a": [31, 32]})  # `second`'s, proposed before `first` was read
+    # `first`'s verification stopped the request's drafts (no proposal): the
+    # step after `second` verifies none.
+    s.update_from_output(first, ModelRunnerOutput(["a"], {"a": 0}, [[11, 12, 20]], [[]]))
+    assert a.spec_token_ids == []
+    s.update_from_output(second, ModelRunnerOutput(["a"], {"a": 0}, [[21, 30]], [[]]))
+    third = s.schedule()
+    assert (third.num_scheduled_tokens, third.scheduled_spec_decode_tokens) == ({"a": 1}, {})
+    assert a.output_token_ids == [10, 11, 12, 20, 21, 30]
+
+
 def test_drafts_ahead_need_async_scheduling() -> None:
     s = make_scheduler(num_spec=3)
     with pytest.raises(ValueError, match="async_scheduling"):
