@@ -9,9 +9,9 @@ the next step verifies them, laid out as if every draft in flight were
 accepted, and the device moves it back over the rejected ones. A step the
 executor says does not pipeline (a speculative one that cannot: how many
 drafts it accepts moves every position after it) is collected before the
-next is scheduled (a speculative step's collect
-waits for its verification, while the device drafts the next step's
-tokens); the next is then dispatched at once, before the collected step's
+next is scheduled (a speculative step's collect waits for its verification,
+while the device drafts the next step's tokens); the next is then
+dispatched at once, before the collected step's
 outputs are returned, so that the caller's work on them (detokenizing, stop
 strings, delivery) overlaps the device instead of idling it.
 """
