@@ -67,14 +67,18 @@ def test_eagle_drafts_verify_to_the_same_tokens(tmp_path: Path,
     head = random_head(target, tmp_path / "head", EagleLayout.EAGLE1, seed=3)
     prompts = [[5, 9, 22, 7, 3, 14, 60, 2, 8, 8, 31], [4, 8, 15, 16, 23, 42]]
     results = {}
-    for tp in (1, 2, 4):
-        with eSurge(target, spec_config(2, head), warmup=False, show_progress=False,
-                    speculation="always", parallel_config=ParallelConfig(tp)) as llm:
+    # (tp, async): under async scheduling the steps hand their drafts ahead, and
+    # the next step's requests move back on the sharded devices.
+    for tp, async_ in ((1, False), (2, False), (4, False), (2, True)):
+        with eSurge(target, spec_config(2, head, async_=async_), warmup=False,
+                    show_progress=False, speculation="always",
+                    parallel_config=ParallelConfig(tp)) as llm:
             outs = llm.generate(prompts, GREEDY)
-            stats = llm.runner.spec_stats
-        results[tp] = [o.outputs[0].token_ids for o in outs]
+            stats, ahead = llm.runner.spec_stats, llm.loop.core.num_drafts_ahead
+        results[tp, async_] = [o.outputs[0].token_ids for o in outs]
         assert stats is not None and stats.num_draft_tokens > 0
-    assert results[2] == results[1] and results[4] == results[1]
+        assert (ahead > 0) is async_
+    assert all(tokens == results[1, False] for tokens in results.values())
 
 
 _KERNELS_OFF = """
