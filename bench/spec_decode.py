@@ -30,12 +30,17 @@ identical engines (their order of creation included), the floor under any
 ratio it reports.
 
 The default model with its head: --model smollm2-135m-instruct
---head models/smollm2-eagle --prompts chat.
+--head models/smollm2-eagle --prompts chat. Each batch size takes the next
+prompts of one seeded order, so batch 1 always times its first --repeats
+chats: with 6 they are easy ones (3.3-4.0 tokens a verification against a
+held-out mean of 2.2-2.4); --batches 1 --repeats 16 or more stands for the
+held-out chats (README, "The batch-1 figures are six easy chats").
 
 Both engines schedule asynchronously by default (as eSurge(model_dir) does):
-the Eagle engine's plain steps overlap; each speculative one is read back
-before the next is scheduled, which then runs while the loop processes the
-outputs.
+the Eagle engine's plain steps overlap, and so do its steady speculative
+ones (they hand their drafts to the next step at dispatch); any other
+speculative one is read back before the next is scheduled, which then runs
+while the loop processes the outputs.
 --speculation adaptive (the engine's default) lets each request of the Eagle
 engine try drafting where the measured step costs say a request whose drafts
 are mostly accepted would gain, and stops the drafts of each one whose own
