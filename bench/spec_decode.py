@@ -34,7 +34,7 @@ The default model with its head: --model smollm2-135m-instruct
 prompts of one seeded order, so batch 1 always times its first --repeats
 chats: with 6 they are easy ones (3.3-4.0 tokens a verification against a
 held-out mean of 2.2-2.4); --batches 1 --repeats 16 or more stands for the
-held-out chats (README, "The batch-1 figures are six easy chats").
+held-out chats (README: "These batch-1 figures are six easy chats").
 
 Both engines schedule asynchronously by default (as eSurge(model_dir) does):
 the Eagle engine's plain steps overlap, and so do its steady speculative
