@@ -151,7 +151,8 @@ def follow_in_flight(batch: ForwardBatch, follow: FollowInputs, page_size: int) 
         slot_mapping=jnp.where(shift != 0, moved, jnp.asarray(batch.slot_mapping)))
 
 
-@partial(jax.jit, donate_argnums=(1,), static_argnames=("feature_layers", "page_size"))
+@partial(jax.jit, donate_argnums=(1,),
+         static_argnames=("feature_layers", "page_size", "slot_group"))
 def model_step_features(
     model_state: ModelState,
     kv_cache: KVCache,
@@ -161,9 +162,10 @@ def model_step_features(
     draft_feed: jax.Array | None = None,  # [T] int32: index into it flattened, -1: input_ids
     follow: FollowInputs | None = None,
     page_size: int = 1,
-) -> tuple[jax.Array, jax.Array, jax.Array, KVCache, ForwardBatch]:
+    slot_group: int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array, KVCache, tuple[jax.Array, jax.Array]]:
     """(logits [L, V], final hidden [T, H], draft features [T, F], updated cache,
-    the batch as run).
+    (positions [T], cache slots [T] of slot_group) as run).
 
     feature_layers () makes the features the final hidden states (EAGLE-1);
     otherwise they are the outputs of those layers concatenated ([T, n * H],
@@ -172,8 +174,8 @@ def model_step_features(
     a draft_feed index take their id from the draft buffer: drafts the
     previous step proposed are fed from the device, not the host. `follow`
     moves the requests of a speculative step still in flight to where its
-    verification left them (follow_in_flight); the batch as run carries the
-    moved positions and slots, which the head's proposal writes at.
+    verification left them (follow_in_flight); the positions and slots as run
+    are where the head's proposal writes (the draft's cache group, slot_group).
     """
     if draft_buffer is not None and draft_feed is not None:
         ids = jnp.where(draft_feed >= 0, draft_buffer.reshape(-1)[jnp.maximum(draft_feed, 0)],
@@ -181,16 +183,17 @@ def model_step_features(
         batch = dataclasses.replace(batch, input_ids=ids)
     if follow is not None:
         batch = follow_in_flight(batch, follow, page_size)
+    as_run = (jnp.asarray(batch.positions), jnp.asarray(batch.slot_mapping)[slot_group])
     if not feature_layers:
         logits, hidden, kv_cache = forward(model_state, kv_cache, batch)
-        return logits, hidden, hidden, kv_cache, batch
+        return logits, hidden, hidden, kv_cache, as_run
     shell = model_state.shell()
     last = shell.config.num_layers - 1
     wanted = tuple(sorted({*feature_layers, last}))
     logits, aux, kv_cache = forward(model_state, kv_cache, batch, aux_hidden_layer_ids=wanted)
     hidden = shell.model.norm(aux[wanted.index(last)])
     features = jnp.concatenate([aux[wanted.index(i)] for i in feature_layers], axis=-1)
-    return logits, hidden, features, kv_cache, batch
+    return logits, hidden, features, kv_cache, as_run
 
 
 def pad_tokens(tokens: jax.Array, size: int) -> jax.Array:

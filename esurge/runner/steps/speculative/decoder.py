@@ -247,9 +247,9 @@ class SpecDecoder:
         if feed is None:  # warm-up and calibration: every id on the host
             feed = np.full(len(inputs.batch.input_ids), -1, np.int32)
         follow = follow_inputs(inputs, *self.follow_from)
-        logits, hidden, features, kv_cache, moved = model_step_features(
+        logits, hidden, features, kv_cache, as_run = model_step_features(
             model_state, kv_cache, inputs.batch, self.feature_layers, self.slots.buffer, feed,
-            follow, self.page_size)
+            follow, self.page_size, self.group)
         drafts, num_drafts, prob_slots = self.scheduled_drafts(ib, inputs)
         draft_slots = np.full(inputs.num_reqs_bucket, -1, np.int32)
         if inputs.draft_slots is not None:
@@ -262,9 +262,8 @@ class SpecDecoder:
         if verified.last_tokens is not None and verified.rejected is not None:
             self.follow_from = (verified.last_tokens, verified.rejected)
         draft_batch, eligible = draft_inputs(ib, inputs, tensors, self.group, self.unsynced,
-                                             moved)
+                                             *as_run)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
-
 
     def proposal(self, model_state: ModelState, ib: InputBatch, inputs: StepInputs,
                  target: TargetPass, *, grammar_rows: np.ndarray | None = None,

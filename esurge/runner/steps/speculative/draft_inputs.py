@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from esurge.models.batch import ForwardBatch
 from esurge.runner.device_step import FollowInputs
 from esurge.runner.input_batch import InputBatch
 from esurge.runner.sampler import SamplingTensors
@@ -38,12 +37,15 @@ def scheduled_drafts(ib: InputBatch, inputs: StepInputs, k: int, slots: DraftSlo
 
 
 def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, group: int,
-                 unsynced_ids: set[str], moved: ForwardBatch) -> tuple[DraftBatch, np.ndarray]:
+                 unsynced_ids: set[str], run_positions: jax.Array,  # [T] int32
+                 run_slots: jax.Array,  # [T] int32
+                 ) -> tuple[DraftBatch, np.ndarray]:
     """The proposer's arrays for this step (`DraftBatch`), and which requests
     may draft ([num_reqs] bool): not those with per-token sampling state
-    (dense), nor those whose drafts stopped (`unsynced_ids`). `moved` is the
-    batch as the target ran it (model_step_features): the head writes its
-    cache at those positions, which the host may not know yet."""
+    (dense), nor those whose drafts stopped (`unsynced_ids`). run_positions
+    and run_slots (the draft group's) are as the target ran them
+    (model_step_features): the head writes its cache there, which the host may
+    not know yet."""
     batch, total = inputs.batch, inputs.num_tokens
     num_reqs, r_bucket = len(inputs.req_ids), inputs.num_reqs_bucket
     t_bucket = len(batch.input_ids)
@@ -68,8 +70,8 @@ def draft_inputs(ib: InputBatch, inputs: StepInputs, tensors: SamplingTensors, g
     propose_mask = np.zeros(r_bucket, bool)
     propose_mask[:num_reqs] = eligible
     draft_batch = DraftBatch(
-        positions=moved.positions, token_req=batch.token_req,
-        slot_mapping=moved.slot_mapping[group], page_tables=batch.page_tables[group],
+        positions=run_positions, token_req=batch.token_req,
+        slot_mapping=run_slots, page_tables=batch.page_tables[group],
         # The batch's real rows (the step's tokens; more in calibrate's timing steps).
         num_tokens=np.int32(batch.query_start_loc[-1]), next_ids=next_ids,
         next_slot=next_slot,

@@ -4,7 +4,8 @@ With Eagle on, a step is one of these where the runner's speculation policy
 says drafting pays, or drafts wait for verification; the others are plain
 steps. How many drafts a step accepts moves every later position, so under
 async scheduling a speculative step pipelines only when it is steady (every
-request decodes greedily, unconstrained, and drafts again): it then hands
+request decodes, with neither a grammar nor per-token sampling state, and
+drafts again with room for all its drafts): it then hands
 its proposals to the scheduler at dispatch (PendingStep.ahead), and the next
 step, scheduled before this one is read, verifies them laid out as if every
 draft in flight were accepted; the device moves each request back over the

@@ -27,7 +27,7 @@ from flax import struct
 from esurge.models.local_shards import host_visible
 from esurge.models.reductions import first_argmax
 from esurge.outputs import TokenLogprobs
-from esurge.runner.device_step import follow_shift
+from esurge.runner.device_step import follow_shift, pad_tokens
 from esurge.runner.host_read import to_host
 from esurge.runner.real_rows import argmax_rows
 from esurge.runner.sampler import (
@@ -126,8 +126,8 @@ def verify(
     (esurge.runner.real_rows): a lone request in a bucket of 4 has 15 of 20.
     A request's drafts come from draft_buffer where draft_slots names a slot
     (the previous step's proposals, never read to the host). The follow
-    arrays move the output positions (which key the random draws) of requests placed as
-    if a step still in flight accepted every draft, as the target step moved
+    arrays move the output positions (which key the random draws) of requests
+    placed as if a step still in flight accepted every draft, as the target moved
     theirs (device_step.follow_in_flight). feedback_size pads last_tokens and
     rejected to the runner's rows."""
     drafts = jnp.where((draft_slots >= 0)[:, None],
@@ -150,18 +150,14 @@ def verify(
         noise = _draft_noise(tensors, k, draft_vocab)
     last = jnp.take_along_axis(tokens, jnp.maximum(num_out - 1, 0)[:, None], axis=1)[:, 0]
     out = SpecSamplerOutput(token_ids=tokens, num_out=num_out, draft_noise=noise,
-                            last_tokens=_padded(last, feedback_size),
-                            rejected=_padded(num_drafts - num_out + 1, feedback_size))
+                            last_tokens=pad_tokens(last, feedback_size),
+                            rejected=pad_tokens(num_drafts - num_out + 1, feedback_size))
     if not variant.logprobs:
         return host_visible(out)
     ids, lps, ranks = token_logprobs(raw, tokens.reshape(-1))
     return host_visible(dataclasses.replace(
         out, logprob_token_ids=ids.reshape(r, s, -1), logprobs=lps.reshape(r, s, -1),
         ranks=ranks.reshape(r, s)))
-
-
-def _padded(values: jax.Array, size: int) -> jax.Array:  # [R] -> [size] int32, zero padded
-    return jnp.zeros(size, jnp.int32).at[:values.shape[0]].set(values.astype(jnp.int32))
 
 
 verify_jit = jax.jit(verify, static_argnames=("variant", "draft_vocab", "feedback_size"))
