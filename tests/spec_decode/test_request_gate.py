@@ -70,8 +70,52 @@ def test_by_default_a_request_stops_only_clearly_short_of_break_even() -> None:
     assert not gate.pays("r", 1, lengths)
 
 
+def _dear_lengths(prior: float) -> DraftLength:
+    # A step with one draft costs 1.5 plain ones (SmolLM2 bf16 at batch 1 on a
+    # 2-core CPU: 1.6-1.7): a request must accept 35% of its first drafts to
+    # reach the gate's 0.9.
+    return DraftLength(_costs(1.0, 0.1, 0.4), Acceptance(4, prior=prior))
+
+
+def test_a_request_stops_after_two_refusals_where_recent_requests_drafted_badly() -> None:
+    # The engine-wide estimate (15% of first drafts accepted, as on random-token
+    # prompts) is the prior of the request's own: two refused verifications
+    # leave at most 29% within the gate's confidence, short of 35%.
+    lengths, gate = _dear_lengths(0.15), RequestGate()
+    gate.record("r", 2, 0, lengths)
+    assert gate.pays("r", 1, lengths)  # one verification is not enough to judge
+    gate.record("r", 2, 0, lengths)
+    own = gate.acceptance_of("r")
+    assert own is not None and gate.optimistic(own).rate(1) == pytest.approx(0.286, abs=1e-3)
+    assert not gate.pays("r", 1, lengths)
+    # Without the early verdict it drafts until min_verifications.
+    patient = RequestGate(early_verifications=8)
+    for step in range(8):
+        assert patient.pays("r", 1, lengths), step
+        patient.record("r", 2, 0, lengths)
+    assert not patient.pays("r", 1, lengths)
+
+
+def test_where_recent_requests_drafted_well_a_request_gets_its_whole_trial() -> None:
+    # 60% engine-wide (chats): seven straight refusals still leave 41% within
+    # the gate's confidence, so the request drafts on until min_verifications
+    # judges it by its mean (20%: 0.8x).
+    lengths, gate = _dear_lengths(0.6), RequestGate()
+    for step in range(8):
+        assert gate.pays("r", 1, lengths), step
+        gate.record("r", 2, 0, lengths)
+    assert not gate.pays("r", 1, lengths)
+    # One accepted draft in three verifications keeps a request drafting even
+    # where recent requests drafted badly.
+    lengths = _dear_lengths(0.15)
+    for accepted in (0, 1, 0):
+        gate.record("s", 2, accepted, lengths)
+    assert gate.pays("s", 1, lengths)
+
+
 @pytest.mark.parametrize("kwargs", [{"min_verifications": 0}, {"margin": 0.0},
-                                    {"prior_weight": -1.0}])
+                                    {"prior_weight": -1.0}, {"early_verifications": 0},
+                                    {"confidence": -1.0}])
 def test_bad_gate_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         RequestGate(**kwargs)  # type: ignore[arg-type]
