@@ -19,11 +19,11 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from esurge.spec_decode.overheads import StepOverheads
 
 __all__ = ["Acceptance", "CostCurve", "DraftLength", "StepCosts", "batch_trial_rate",
            "chain_rate", "head_acceptance_prior"]
@@ -164,45 +164,24 @@ class Acceptance:
 class DraftLength:
     """The draft count with the best expected token rate at a batch size.
 
-    `overhead` is what a speculative step costs beyond its measured parts (it
-    does not overlap the host's work as plain steps do), `plain_overhead` the
-    same of a plain step (the loop's host work, the sampled token's read),
-    each learnt online from the steps' measured costs (`observe`): on SmolLM2
-    at batch 1 a plain step took 8.0 ms where warm-up measured 6.9, and without
-    the difference every prediction favoured plain steps by some 15%. Each is
-    the median of the mode's last `window` excesses: where the costs decide
-    whether requests try drafting at all, a few slow steps (a collector's
-    pause, a busy neighbour) must not move it, or trials would stop, and with
-    no speculative step left to measure, never resume."""
+    What real steps cost beyond their measured parts is learnt online from
+    the steps' measured costs (`observe`, `StepOverheads`: by batch size, a
+    speculative step's as an extra over a plain one's): on SmolLM2 at batch 1
+    a plain step took 8.0 ms where warm-up measured 6.9, and without the
+    difference every prediction favoured plain steps by some 15%."""
 
     costs: StepCosts
     acceptance: Acceptance
-    window: int = 33
-    _excess: dict[bool, deque[float]] = field(default_factory=dict, repr=False)
-    # Each mode's median excess, computed when read after new steps (every
-    # plain step is observed, on the thread that dispatches the next one).
-    _medians: dict[bool, float] = field(default_factory=dict, repr=False)
+    overheads: StepOverheads = field(default_factory=StepOverheads)
 
-    def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window!r}")
+    def overhead(self, batch: int) -> float:
+        """What a speculative step of `batch` requests costs beyond its measured
+        parts (seconds)."""
+        return self.overheads.speculative(batch)
 
-    @property
-    def overhead(self) -> float:
-        """What a speculative step costs beyond its measured parts (seconds)."""
-        return self._median(True)
-
-    @property
-    def plain_overhead(self) -> float:
-        """What a plain step costs beyond its measured part (seconds)."""
-        return self._median(False)
-
-    def _median(self, speculative: bool) -> float:
-        median = self._medians.get(speculative)
-        if median is None:
-            recent = self._excess.get(speculative)
-            median = self._medians[speculative] = statistics.median(recent) if recent else 0.0
-        return median
+    def plain_overhead(self, batch: int) -> float:
+        """What a plain step of `batch` requests costs beyond its measured part."""
+        return self.overheads.plain(batch)
 
     @property
     def k(self) -> int:
@@ -216,8 +195,8 @@ class DraftLength:
         the engine-wide acceptance's). `riders` of the batch take no drafts (a
         token a step each) but pay for the others' in every step."""
         if drafts == 0:
-            return batch / max(self.costs.plain(batch) + self.plain_overhead, 1e-9)
-        seconds = self.costs.speculative(batch, drafts) + self.overhead
+            return batch / max(self.costs.plain(batch) + self.plain_overhead(batch), 1e-9)
+        seconds = self.costs.speculative(batch, drafts) + self.overhead(batch)
         tokens = (sum(a.expected_tokens(drafts) for a in requests) / len(requests) if requests
                   else self.acceptance.expected_tokens(drafts))
         return ((batch - riders) * tokens + riders) / max(seconds, 1e-9)
@@ -250,9 +229,7 @@ class DraftLength:
             return
         speculative = drafts > 0
         cost = self.costs.speculative(batch, drafts) if speculative else self.costs.plain(batch)
-        recent = self._excess.setdefault(speculative, deque(maxlen=self.window))
-        recent.append(max(seconds - cost, 0.0))
-        self._medians.pop(speculative, None)
+        self.overheads.observe(batch, speculative, max(seconds - cost, 0.0))
 
 
 def chain_rate(mean_length: float, k: int) -> float:

@@ -108,7 +108,7 @@ def test_overhead_learnt_from_measured_steps_shortens_nothing_it_should_not() ->
     before = lengths.predicted_gain(1)
     for _ in range(100):
         lengths.observe(1, 4, lengths.costs.speculative(1, 4) + 1.0)
-    assert lengths.overhead == pytest.approx(1.0, rel=1e-3)
+    assert lengths.overhead(1) == pytest.approx(1.0, rel=1e-3)
     assert lengths.predicted_gain(1) < before
 
 
