@@ -38,6 +38,9 @@ class StepOverheads:
     # Medians computed when read after new samples (every plain step is
     # observed, on the thread that dispatches the next one); None: the extra's.
     _medians: dict[int | None, float] = field(default_factory=dict, repr=False)
+    # The measured batch size standing for each unmeasured one asked about
+    # (cleared when a size is first measured): asked several times a step.
+    _nearest: dict[int, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -49,8 +52,12 @@ class StepOverheads:
         size measured (by ratio, the smaller on a tie), 0.0 before any."""
         if not self._plain:
             return 0.0
-        nearest = batch if batch in self._plain else min(
-            self._plain, key=lambda b: (abs(math.log2(b / batch)), b))
+        if batch in self._plain:
+            return self._median(batch)
+        nearest = self._nearest.get(batch)
+        if nearest is None:
+            nearest = self._nearest[batch] = min(
+                self._plain, key=lambda b: (abs(math.log2(b / batch)), b))
         return self._median(nearest)
 
     def speculative(self, batch: int) -> float:
@@ -63,7 +70,11 @@ class StepOverheads:
             self._extra.append(excess - self.plain(batch))
             self._medians.pop(None, None)
             return
-        self._plain.setdefault(batch, deque(maxlen=self.window)).append(excess)
+        recent = self._plain.get(batch)
+        if recent is None:
+            recent = self._plain[batch] = deque(maxlen=self.window)
+            self._nearest.clear()
+        recent.append(excess)
         self._medians.pop(batch, None)
 
     def _median(self, key: int | None) -> float:

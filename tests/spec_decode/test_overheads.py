@@ -20,6 +20,8 @@ def test_each_batch_size_keeps_its_own_plain_overhead() -> None:
     # An unmeasured size takes the nearest by ratio, the smaller on a tie.
     assert overheads.plain(2) == pytest.approx(0.3)
     assert overheads.plain(3) == pytest.approx(2.5) and overheads.plain(32) == pytest.approx(2.5)
+    overheads.observe(16, False, 4.0)  # a size measured later is nearer to some
+    assert overheads.plain(32) == pytest.approx(4.0) and overheads.plain(6) == pytest.approx(2.5)
 
 
 def test_a_speculative_step_costs_its_extra_over_the_plain_overhead_of_its_batch() -> None:
