@@ -12,8 +12,9 @@ one figure learnt at batch 1, where requests try drafting, applies at
 batch 4 on top of batch 4's own host work. Kept as one excess per mode for
 every batch size, the plain steps of a batch of 4 (2.5 ms) against the
 speculative ones of batch 1 (1.2 ms) made speculation at 4 look cheaper
-than it is, and trials there lost (0.87x of plain decoding on random-token
-prompts). Each figure is the median of its last `window` samples: a few
+than it is (1.38x predicted where the policy asks 1.2x), and trials ran
+there on random-token prompts (`bench/spec_decode.py`: 0.87x of plain
+decoding at batch 4). Each figure is the median of its last `window` samples: a few
 slow steps (a collector's pause, a busy neighbour) must not move it.
 """
 
