@@ -13,7 +13,10 @@ next is scheduled (a speculative step's collect waits for its verification,
 while the device drafts the next step's tokens); the next is then
 dispatched at once, before the collected step's
 outputs are returned, so that the caller's work on them (detokenizing, stop
-strings, delivery) overlaps the device instead of idling it.
+strings, delivery) overlaps the device instead of idling it. Before each
+schedule the executor may name requests to move back and compute again
+(`resyncs`: a draft head that missed their plain steps); the scheduler moves
+those with no step in flight (Scheduler.rewind).
 """
 
 from __future__ import annotations
@@ -54,6 +57,16 @@ class ModelExecutor(Protocol[PendingStep]):
         """Drafts a pipelining step proposed for the next step, by request (may be empty)."""
         ...
 
+    def resyncs(self) -> Mapping[str, int]:
+        """Requests to compute again from these positions before the next step
+        (see Scheduler.rewind; may be empty)."""
+        ...
+
+    def rewound(self, computed: Mapping[str, int]) -> None:
+        """The requests the scheduler moved back (resyncs), with how far each
+        had computed."""
+        ...
+
 
 class EngineCore(Generic[PendingStep]):
     """Drives a scheduler and a model executor, one forward pass per step."""
@@ -71,6 +84,8 @@ class EngineCore(Generic[PendingStep]):
         self.num_early_steps = 0
         # Speculative steps that handed their drafts to the next step at dispatch.
         self.num_drafts_ahead = 0
+        # Requests moved back to compute again what their draft head missed.
+        self.num_rewound = 0
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (ValueError if the scheduler refuses it)."""
@@ -91,7 +106,7 @@ class EngineCore(Generic[PendingStep]):
             return self._step_pipelined()
         if not self.scheduler.has_requests():
             return {}
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         runner_output = self.executor.collect(self.executor.dispatch(scheduler_output))
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
@@ -104,7 +119,7 @@ class EngineCore(Generic[PendingStep]):
         if self.scheduler.has_requests() and len(in_flight) < 2 and not barrier:
             # Even an empty schedule is dispatched: it carries the ids of
             # finished requests the runner must drop.
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             pending = self._dispatch(scheduler_output)
             if in_flight:
                 self.num_overlapped_steps += 1
@@ -131,10 +146,20 @@ class EngineCore(Generic[PendingStep]):
         outputs = self.scheduler.update_from_output(scheduler_output,
                                                     self.executor.collect(pending))
         if self.scheduler.has_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             self._in_flight.append((scheduler_output, self._dispatch(scheduler_output)))
             self.num_early_steps += 1
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next step, after moving back the requests the executor wants
+        computed again (those with a step in flight stay)."""
+        wanted = self.executor.resyncs()
+        if wanted:
+            moved = self.scheduler.rewind(wanted)
+            self.executor.rewound(moved)
+            self.num_rewound += len(moved)
+        return self.scheduler.schedule()
 
     def _dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Start a step; drafts it hands ahead go to the scheduler at once, for

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 import jax
@@ -145,6 +145,13 @@ class eSurgeRunner:
             and all(isinstance(g.spec, FullAttentionSpec) for g in self.cache_groups.groups))
         # The speculative step dispatched last, until collected, if it handed drafts ahead.
         self.in_flight_spec: PendingStep | None = None
+        # A request that decoded plain steps drafts again where drafting pays at
+        # its batch size once the tokens its head missed are computed again
+        # (SpecDecoder.resyncs): not over windowed caches (their pages before
+        # the window are gone) nor across hosts.
+        self.resyncs_heads = (
+            self.spec is not None and settings.parallel_config.num_hosts == 1
+            and all(isinstance(g.spec, FullAttentionSpec) for g in self.cache_groups.groups))
 
     def _step_kinds(self) -> tuple[StepKind, ...]:
         """The ways this runner runs steps, in the order they are offered a step."""
@@ -222,15 +229,19 @@ class eSurgeRunner:
         if (self.spec is not None and follows is None
                 and not self.spec.speculates(scheduler_output)):
             num_spec = 0  # a plain step: the head's cache misses its tokens from here on
-            self.spec.unsynced.update(scheduler_output.num_scheduled_tokens)
-        elif self.spec is not None and self.last_plain is not None:
-            # A speculative step reads its tokens on the host, not from the
-            # previous step's device output: that plain step's must be known.
-            record_plain(self, self.last_plain)
+            self.spec.sync.ran_plain(self.input_batch, scheduler_output.num_scheduled_tokens,
+                                     self.spec.unsynced)
+        elif self.spec is not None:
+            self.spec.sync.ran_speculative(scheduler_output.num_scheduled_tokens)
+            if self.last_plain is not None:
+                # A speculative step reads its tokens on the host, not from the
+                # previous step's device output: that plain step's must be known.
+                record_plain(self, self.last_plain)
         inputs = build_step_inputs(ib, scheduler_output, self.buckets, self.page_size,
                                    self.prev_index, num_spec, self.tiled_attention,
                                    None if self.spec is None else self.spec.slots.device_slot,
-                                   follows)
+                                   follows,
+                                   None if self.spec is None else self.spec.sync.recompute(ib))
         plan = StepPlan(inputs, ib.sampling.variant(inputs.rows),
                         self.grammars.any_in(inputs.req_ids))
         for kind in self.step_kinds:
@@ -282,7 +293,23 @@ class eSurgeRunner:
         """Whether the next step may be scheduled before this one is collected
         (not after a speculative step, unless it handed its drafts ahead: see
         StepKind.pipelined)."""
-        return pending.kind is None or pending.kind.pipelined or pending.ahead is not None
+        if pending.kind is None or pending.ahead is not None:
+            return True
+        # A request to compute again can move back only with no step in flight.
+        return pending.kind.pipelined and not self.resyncs()
+
+    def resyncs(self) -> dict[str, int]:
+        """Requests whose head's cache stops short (they decoded plain steps) to
+        compute again from there, where drafting pays at the batch's size."""
+        if self.spec is None or not self.resyncs_heads:
+            return {}
+        return self.spec.resyncs(self.input_batch)
+
+    def rewound(self, computed: Mapping[str, int]) -> None:
+        """The requests the scheduler moved back to where their head's cache
+        stops, with how far each had computed."""
+        if self.spec is not None:
+            self.spec.sync.moved(computed, self.spec.unsynced)
 
     def drafts_ahead(self, pending: PendingStep) -> dict[str, Sequence[int]]:
         """The drafts a dispatched step proposed for the next, by request, when it

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,6 +69,11 @@ class StepInputs:
     # row for the token row fed its last token.
     follow_src: np.ndarray | None = None  # [R_model] int32
     follow_index: np.ndarray | None = None  # [T_bucket] int32
+    # Token rows a request computes again (it was moved back for its draft head,
+    # esurge/runner/steps/speculative/head_sync.py) write their keys and values
+    # to the null page (the cache holds them: the pages may be shared through
+    # the prefix cache); kept_slots[g, t] is where they are, for the head.
+    kept_slots: np.ndarray | None = None  # [G, T_bucket] int32, -1 where not recomputed
 
 
 # The slot of a request's drafts in the draft buffer of the runner's head,
@@ -144,7 +149,8 @@ def query_tiles_for_bucket(num_tokens_bucket: int, tiled: bool = True) -> tuple[
 def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets, page_size: int,
                       prev_sample_index: dict[str, int], num_spec: int = 0,
                       tiled: bool = True, draft_slot: DraftSlot | None = None,
-                      follows: dict[str, int] | None = None) -> StepInputs:
+                      follows: dict[str, int] | None = None,
+                      recompute: Mapping[str, int] | None = None) -> StepInputs:
     """Flatten the scheduled requests into bucket-padded ForwardBatch arrays.
 
     prev_sample_index maps a request to its sampler row in the step still in
@@ -152,7 +158,9 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     number of speculative tokens per step (0: speculation off). tiled: see
     query_tile_for. draft_slot finds drafts the head's buffer still holds
     (StepInputs.draft_feed). follows maps the requests of a speculative step
-    still in flight to their rows there (StepInputs.follow_src).
+    still in flight to their rows there (StepInputs.follow_src). recompute maps
+    requests computing tokens again to the position up to which the cache
+    holds them (StepInputs.kept_slots).
     """
     sched = sorted(so.num_scheduled_tokens, key=ib.row_of.__getitem__)
     rows = np.array([ib.row_of[r] for r in sched], np.int64)
@@ -192,6 +200,7 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
     page_tables = ib.page_tables[:, rows, :]  # [G, R, P]
     logical = positions // page_size
     slot = page_tables[:, req_of_token, logical] * page_size + positions % page_size
+    kept_slots = _recomputed(slot, sched, req_of_token, positions, recompute, t_bucket)
 
     def pad(arr: np.ndarray, size: int, fill: int = 0) -> np.ndarray:
         out = np.full((*arr.shape[:-1], size), fill, np.int32)
@@ -224,7 +233,26 @@ def build_step_inputs(ib: InputBatch, so: SchedulerOutput, buckets: StepBuckets,
         follow_src=follow_src,
         follow_index=(None if follow_src is None
                       else _follow_index(follow_src[:num_reqs], starts, t_bucket)),
+        kept_slots=kept_slots,
     )
+
+
+def _recomputed(slot: np.ndarray,  # [G, T] the rows' cache slots (nulled in place)
+                sched: list[str], req_of_token: np.ndarray,  # [T]
+                positions: np.ndarray,  # [T]
+                recompute: Mapping[str, int] | None, t_bucket: int) -> np.ndarray | None:
+    """[G, t_bucket] the slots of the rows computed again (-1 elsewhere), which
+    then write to the null page; None where no row is."""
+    if not recompute:
+        return None
+    until = np.array([recompute.get(req_id, 0) for req_id in sched], np.int64)
+    again = positions < until[req_of_token]
+    if not again.any():
+        return None
+    kept = np.full((slot.shape[0], t_bucket), -1, np.int32)
+    kept[:, :len(positions)][:, again] = slot[:, again]
+    slot[:, again] = NULL_PAGE
+    return kept
 
 
 def _follow_src(sched: list[str], follows: dict[str, int], r_model: int) -> np.ndarray:

@@ -56,6 +56,12 @@ class SchedulerInterface(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not schedule drafts ahead "
                                   "of a step's output")
 
+    def rewind(self, positions: Mapping[str, int]) -> dict[str, int]:
+        """Move running requests back to compute again from these positions (the
+        pages stay); returns those moved, with how far each had computed. A
+        scheduler that cannot moves none."""
+        return {}
+
     @abstractmethod
     def add_request(self, request: EngineRequest) -> None:
         """Queue a new request."""

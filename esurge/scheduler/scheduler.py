@@ -234,6 +234,24 @@ class Scheduler(SchedulerInterface):
                 request.spec_token_ids = ids
         self._verifying = False
 
+    def rewind(self, positions: Mapping[str, int]) -> dict[str, int]:
+        """Move running requests back to compute again from these positions: an
+        Eagle head whose cache stops there (its request decoded plain steps)
+        gets the target's features of the tokens after it from the step that
+        recomputes them. The pages stay; only a request with no step in
+        flight (no placeholders) and no drafts waiting moves. Returns those
+        moved, with how far each had computed."""
+        moved = {}
+        for rid, position in positions.items():
+            request = self.requests.get(rid)
+            if (request is None or request.status is not _RUNNING
+                    or request.num_output_placeholders or request.spec_token_ids
+                    or not 0 <= position < request.num_computed_tokens):
+                continue
+            moved[rid] = request.num_computed_tokens
+            request.num_computed_tokens = position
+        return moved
+
     def _num_new_tokens(self, request: EngineRequest, budget: int) -> int:
         placeholders = request.num_output_placeholders
         if placeholders:

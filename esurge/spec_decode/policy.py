@@ -11,10 +11,12 @@ step (its mode, how many requests it ran, the tokens they gained and its
 wall time), and the policy keeps the token rate of each mode per batch size.
 
 A plain step leaves the head's cache without the step's tokens, so a
-request that took one never drafts again (`SpecDecoder.unsynced`); new
-requests start drafting where speculation pays at their batch size. Trying
-plain decoding at a batch size is therefore paid once by the requests of that
-step, and only after speculation has been measured there.
+request that took one drafts again only after computing those tokens again
+where speculation pays at its batch size (HeadSync,
+esurge/runner/steps/speculative/head_sync.py); new requests start drafting
+where speculation pays at their batch size. Trying plain decoding at a batch
+size is therefore paid by the requests of that step, and only after
+speculation has been measured there.
 
 How many drafts a speculative step carries (1 to k) is the runner's choice
 from step costs measured at warm-up (esurge.spec_decode.draft_length); the

@@ -16,8 +16,9 @@ mean of a Beta posterior whose prior is the engine-wide estimate): where
 recent requests drafted badly (random-token prompts) a request that fails
 its first two or three verifications stops there instead of after eight,
 while where they drafted well (chats) it takes five or six straight
-failures. A stopped request decodes plainly from then on: after a plain step
-the head's cache no longer follows it. A stopped request would still ride in
+failures. A stopped request decodes plainly to its end (its own drafts
+lose; unlike a request whose batch stopped drafting, it never computes the
+tokens its head missed again). A stopped request would still ride in
 its batch's speculative steps, waiting for the others' drafts, and a batch
 drains at the pace of its slowest request: the policy weighs the batch by
 that one (`mix_gain`, `SpeculationPolicy.mix_pays`), from every request's

@@ -85,3 +85,46 @@ def test_every_step_matches_the_chunk_built_batch(seed: int) -> None:
     assert _drive(scheduler, buckets) > 40
     assert scheduler.num_preemptions > 0 and scheduler.kv_cache_manager.prefix_cache_hits > 0
     assert scheduler.kv_cache_manager.num_free_pages == scheduler.kv_cache_manager.num_usable_pages
+
+
+def test_rows_computed_again_write_to_the_null_page_and_keep_their_slots() -> None:
+    # A request moved back to compute again (for its draft head) has those
+    # tokens' keys and values in the cache already, maybe in pages the prefix
+    # cache shares: its rows write to the null page, their real slots kept
+    # beside for the head.
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=32, chunked=True,
+                               max_model_len=MAX_LEN, page_size=PAGE, num_pages=20)
+    scheduler.add_request(make_request("a", list(range(1, 11)), 8, ignore_eos=True))
+    scheduler.add_request(make_request("b", list(range(20, 26)), 8, ignore_eos=True))
+    buckets = StepBuckets.create(32, 2, None, min_tokens=8)
+    runner = FakeRunner(PAGE)
+    ib = InputBatch(2, MAX_LEN, 1, math.ceil(MAX_LEN / PAGE), VOCAB)
+    for _ in range(3):  # the prompts, then two decode steps
+        out = scheduler.schedule()
+        ib.apply(out)
+        result = runner.execute(out)
+        inputs = build_step_inputs(ib, out, buckets, PAGE, {})
+        tokens = np.array([[result.sampled_token_ids[result.req_id_to_index[r]][0]
+                            for r in inputs.req_ids]], np.int32)
+        ib.record_sampled(inputs.req_ids, inputs.samples, inputs.seq_lens, tokens)
+        scheduler.update_from_output(out, result)
+    until = scheduler.requests["a"].num_computed_tokens  # the prompt and two outputs
+    assert scheduler.rewind({"a": 4}) == {"a": until} and until == 12
+    out = scheduler.schedule()
+    ib.apply(out)
+    plain = build_step_inputs(ib, out, buckets, PAGE, {})
+    again = build_step_inputs(ib, out, buckets, PAGE, {}, recompute={"a": until})
+    assert again.kept_slots is not None and plain.kept_slots is None
+    rows = np.flatnonzero(np.asarray(plain.batch.token_req) == 0)[:out.num_scheduled_tokens["a"]]
+    positions = np.asarray(plain.batch.positions)[rows]
+    assert positions.tolist() == list(range(4, until + 1))
+    redone = rows[positions < until]
+    slots = np.asarray(plain.batch.slot_mapping)
+    assert (np.asarray(again.batch.slot_mapping)[:, redone] == 0).all()  # the null page
+    np.testing.assert_array_equal(again.kept_slots[:, redone], slots[:, redone])
+    # The new token's row, and b's rows, write where they always did.
+    kept = np.ones(slots.shape[1], bool)
+    kept[redone] = False
+    np.testing.assert_array_equal(np.asarray(again.batch.slot_mapping)[:, kept],
+                                  slots[:, kept])
+    assert (again.kept_slots[:, kept] == -1).all()

@@ -10,6 +10,7 @@ or misplaced token) changes the final output.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from esurge.config import CacheConfig, Config, SchedulerConfig, SpeculativeConfig
@@ -104,6 +105,13 @@ class FakeRunner:
     # Drafts a step still in flight rejected, by request: the scheduler counted
     # them as computed (it handed that step's drafts ahead), a runner moves back.
     moved_back: dict[str, int] = field(default_factory=dict)
+
+    def resyncs(self) -> dict[str, int]:
+        """Nothing to compute again (EngineCore asks before each step)."""
+        return {}
+
+    def rewound(self, computed: Mapping[str, int]) -> None:
+        """Nothing moves back."""
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pytest
@@ -168,6 +169,12 @@ class _MixedExecutor:
     def drafts_ahead(self, pending: tuple[SchedulerOutput, ModelRunnerOutput]
                      ) -> dict[str, list[int]]:
         return {}
+
+    def resyncs(self) -> dict[str, int]:
+        return {}
+
+    def rewound(self, computed: Mapping[str, int]) -> None:
+        pass
 
 
 @pytest.mark.parametrize("num_pages", [200, 14])

@@ -11,6 +11,7 @@ synchronous engine outputs, with every page and placeholder returned.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -64,6 +65,12 @@ class _AheadExecutor:
         if not proposals or not all(result.sampled_token_ids) or not all(proposals):
             return {}
         return {rid: list(proposals[i]) for i, rid in enumerate(result.req_ids)}
+
+    def resyncs(self) -> dict[str, int]:
+        return {}
+
+    def rewound(self, computed: Mapping[str, int]) -> None:
+        pass
 
 
 def _drive(core: EngineCore[Pending]) -> Collected:

@@ -91,6 +91,13 @@ class LockstepExecutor:
         """The runner's (none across hosts: see eSurgeRunner.hands_drafts_ahead)."""
         return dict(self.runner.drafts_ahead(pending))
 
+    def resyncs(self) -> dict[str, int]:
+        """None across hosts (see eSurgeRunner.resyncs_heads)."""
+        return {}
+
+    def rewound(self, computed: Any) -> None:
+        """Nothing moves back across hosts."""
+
     def shutdown(self) -> None:
         """Release the followers."""
         self.link.close()

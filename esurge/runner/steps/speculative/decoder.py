@@ -18,7 +18,8 @@ allowed/bad tokens, min_tokens) are verified like any other but get no
 drafts: their masks for positions after a draft would need the draft
 tokens on the host first. So do requests that ran a plain step (`unsynced`:
 the head's cache lacks that step's tokens), which the runner takes where
-speculation does not pay (`policy`, esurge.spec_decode.policy).
+speculation does not pay (`policy`, esurge.spec_decode.policy), until they
+compute those tokens again where it pays (`sync`, head_sync.py).
 
 Draft distributions of sampled requests are kept on the device in a buffer
 of max_rows + 1 slots (the last one a sink for padding rows), the slots of
@@ -56,6 +57,7 @@ from esurge.runner.steps.speculative.draft_inputs import (
     scheduled_drafts,
 )
 from esurge.runner.steps.speculative.draft_slots import DraftSlots, ReadOnce
+from esurge.runner.steps.speculative.head_sync import HeadSync
 from esurge.runner.steps.speculative.step_results import SpecStep, TargetPass
 from esurge.runner.steps.speculative.verify import store_draft_probs, verify_jit
 from esurge.scheduler.output import NewRequestData, SchedulerOutput
@@ -129,6 +131,8 @@ class SpecDecoder:
         # Requests that ran a plain step (the head never saw those tokens), or
         # whose drafts the gate stopped.
         self.unsynced: set[str] = set()
+        # Where the head's cache of each that ran a plain step stops (head_sync.py).
+        self.sync = HeadSync()
         self.gate = RequestGate()
         # The policy's trial acceptance, where it gates requests (set by calibrate).
         self.trial: Acceptance | None = None
@@ -201,6 +205,7 @@ class SpecDecoder:
         to the policy: its mode, batch size, tokens gained and its cost (step_cost)."""
         now, last = time.perf_counter(), self._last_collected
         self._last_collected = now
+        self.sync.collected += 1
         # Every plain step comes here, on the loop thread that dispatches the
         # next: a plain step's drafts are all zero, so its numpy reductions are
         # skipped (each costs microseconds, several times its idle cost while
@@ -218,9 +223,15 @@ class SpecDecoder:
                 and drafts.min() == drafts.max() > 0):
             self.lengths.observe(len(inputs.req_ids), int(drafts[0]), seconds)
 
+    def resyncs(self, ib: InputBatch) -> dict[str, int]:
+        """Requests to compute again from where their head's cache stops, where
+        drafting pays at the batch's size (HeadSync)."""
+        return self.sync.wanted(ib, self.policy.speculate) if self.sync.head_end else {}
+
     def release(self, req_ids: set[str]) -> None:
         """Free the slots (drafts and their distributions) of requests that left the batch."""
         self.unsynced.difference_update(req_ids)
+        self.sync.forget(req_ids)
         self.gate.release(req_ids)
         self.slots.release(req_ids)
 
@@ -261,6 +272,13 @@ class SpecDecoder:
                               self.max_batch)
         if verified.last_tokens is not None and verified.rejected is not None:
             self.follow_from = (verified.last_tokens, verified.rejected)
+        if inputs.kept_slots is not None and inputs.follow_src is None:
+            # Rows computed again: the head writes at their real slots. Nothing
+            # follows a step in flight here (a request moves back only with no
+            # step in flight), so the slots as run are the host's.
+            kept = inputs.kept_slots[self.group]
+            as_run = (as_run[0], np.where(kept >= 0, kept,
+                                          np.asarray(inputs.batch.slot_mapping)[self.group]))
         draft_batch, eligible = draft_inputs(ib, inputs, tensors, self.group, self.unsynced,
                                              *as_run)
         return kv_cache, TargetPass(logits, hidden, features, verified, draft_batch, eligible)
@@ -351,13 +369,17 @@ class SpecDecoder:
         self.stats.record(verifications, drafted, accepted)
         if self.lengths is not None and outcomes:
             self.lengths.acceptance.record(outcomes)
-        self._stop_a_losing_mix(inputs.req_ids, proposals)
+        self._stop_a_losing_mix(ib, inputs.req_ids, proposals)
         return emitted, proposals
 
-    def _stop_a_losing_mix(self, req_ids: Sequence[str], proposals: list[Sequence[int]]) -> None:
-        """Stop every request's drafts, for good, where a speculative step no
-        longer pays the batch's slowest request (each at its own acceptance from
-        its first verification on: RequestGate.mix_gain, SpeculationPolicy.mix_pays)."""
+    def _stop_a_losing_mix(self, ib: InputBatch, req_ids: Sequence[str],
+                           proposals: list[Sequence[int]]) -> None:
+        """Stop every request's drafts where a speculative step no longer pays the
+        batch's slowest request (each at its own acceptance from its first
+        verification on: RequestGate.mix_gain, SpeculationPolicy.mix_pays). The
+        batch, not each request, lost: each may draft again where drafting pays
+        at its batch's size (HeadSync), its head's cache ending where this
+        step's tokens do."""
         lengths, trial, batch = self.lengths, self.trial, len(req_ids)
         drafting = [r for r in req_ids if r not in self.unsynced]
         if lengths is None or trial is None or batch < 2 or not drafting:
@@ -366,12 +388,14 @@ class SpecDecoder:
         if self.policy.mix_pays(batch, gain):
             return
         self._stop(drafting)
+        self.sync.batch_stopped(ib, drafting, batch)
         for i in range(batch):
             proposals[i] = []
 
     def _stop(self, req_ids: Sequence[str]) -> None:
         """These requests draft no more: from their next step on they decode plainly."""
         self.unsynced.update(req_ids)
+        self.sync.stop(req_ids)
         self.gate.release(req_ids)
 
     def _still_drafts(self, req_id: str, drafts: int, accepted: int, batch: int) -> bool:
