@@ -17,6 +17,7 @@ from esurge import SamplingParams, eSurge
 from esurge.engine.request_output import RequestDelta
 from esurge.runner.device_step import model_step, model_step_features
 from esurge.runner.steps.plain import record_plain
+from esurge.runner.steps.speculative.head_sync import MAX_MOVES
 from esurge.runner.steps.speculative.verify import verify_jit
 from esurge.spec_decode import proposer
 from esurge.spec_decode.policy import AdaptiveSpeculation, SpeculationPolicy
@@ -148,7 +149,8 @@ def test_a_speculative_step_behind_a_plain_one_in_flight(
     assert True in early, "no speculative step was dispatched behind a plain one in flight"
     # The early requests ran plain steps, then were moved back to compute again
     # what their head missed, and drafted like the late one (HeadSync).
-    assert adaptive_engine.loop.core.num_rewound - rewound_before == len(first)
+    moves = adaptive_engine.loop.core.num_rewound - rewound_before
+    assert len(first) <= moves <= MAX_MOVES * len(first)
     assert all(accepted[rid] > 0 for rid in ids)
 
 

@@ -54,7 +54,8 @@ class HeadSync:
     # a plain step is one), and computed once per batch size in VERDICT_STEPS
     # steps (it moves with measured costs and acceptance, slowly).
     collected: int = 0
-    _verdict: tuple[tuple[int, int], bool] = ((0, -1), False)
+    # The verdict by (batch size, collected // VERDICT_STEPS): the latest only.
+    _verdict: dict[tuple[int, int], bool] = field(default_factory=dict)
 
     def ran_plain(self, ib: InputBatch, req_ids: Iterable[str], unsynced: set[str]) -> None:
         """A plain step of these requests; adds them to `unsynced`. One drafting
@@ -79,9 +80,11 @@ class HeadSync:
         stops, where drafting pays (`pays`) at the batch's size."""
         batch = len(ib.req_ids)
         key = (batch, self.collected // VERDICT_STEPS)
-        if self._verdict[0] != key:
-            self._verdict = (key, pays(batch))
-        if not self._verdict[1]:
+        pays_here = self._verdict.get(key)
+        if pays_here is None:
+            pays_here = pays(batch)
+            self._verdict = {key: pays_here}
+        if not pays_here:
             return {}
         wanted = {}
         for req_id, end in self.head_end.items():
