@@ -134,6 +134,14 @@ class Acceptance:
                 if j < accepted:
                     self.accepted[j] += 1.0
 
+    def fade(self, factor: float) -> None:
+        """Decay the counts by `factor` without a verification (a step that drafted
+        nothing, where only drafting could refresh the estimate)."""
+        if not 0 < factor <= 1:
+            raise ValueError(f"factor must be in (0, 1], got {factor!r}")
+        self.reached = [r * factor for r in self.reached]
+        self.accepted = [a * factor for a in self.accepted]
+
     def rates(self, drafts: int) -> list[float]:
         """The estimates for draft positions 1..drafts (0 <= drafts <= k)."""
         if not 0 <= drafts <= self.k:

@@ -67,7 +67,6 @@ from esurge.spec_decode.draft_length import (
     Acceptance,
     DraftLength,
     StepCosts,
-    batch_trial_rate,
     head_acceptance_prior,
 )
 from esurge.spec_decode.policy import SpeculationPolicy, step_cost
@@ -80,6 +79,7 @@ from esurge.spec_decode.proposer import (
 )
 from esurge.spec_decode.request_gate import RequestGate
 from esurge.spec_decode.stats import SpecDecodeStats
+from esurge.spec_decode.trial_bet import TrialBets
 
 __all__ = ["SpecDecoder", "SpecStep", "TargetPass"]
 
@@ -134,8 +134,10 @@ class SpecDecoder:
         # Where the head's cache of each that ran a plain step stops (head_sync.py).
         self.sync = HeadSync()
         self.gate = RequestGate()
-        # The policy's trial acceptance, where it gates requests (set by calibrate).
+        # The policy's trial acceptance, where it gates requests, and what trials
+        # of new requests bet on (set by calibrate).
         self.trial: Acceptance | None = None
+        self.bets: TrialBets | None = None
         self._last_collected: float | None = None
         log.info("Eagle speculative decoding: %s head from %s, k=%d, draft group %d %s",
                  config.layout.value, spec.speculative_model, self.num_spec, self.group,
@@ -149,16 +151,8 @@ class SpecDecoder:
         lengths = self.lengths = DraftLength(costs, Acceptance(self.num_spec, prior=self.prior))
         if self.policy.gates_requests:
             self.trial = Acceptance(self.num_spec, prior=self.policy.trial_rate)
-            bets: dict[int, Acceptance] = {}
-
-            def predict_trial(batch: int) -> float:
-                bet = bets.get(batch)
-                if bet is None:
-                    rate = batch_trial_rate(self.policy.trial_rate, self.prior, batch)
-                    bet = bets[batch] = Acceptance(self.num_spec, prior=rate)
-                return lengths.predicted_gain(batch, (bet,))
-
-            self.policy.predict_trial = predict_trial
+            self.bets = TrialBets(lengths, self.policy.trial_rate, self.prior)
+            self.policy.predict_trial = self.bets.gain
 
     def drafts_for(self, req_ids: Sequence[str]) -> int:
         """How many drafts to propose for a step of these requests: by their own
@@ -219,6 +213,8 @@ class SpecDecoder:
         self.policy.observe(speculative, len(inputs.req_ids), tokens, seconds)
         if self.lengths is not None and not speculative:
             self.lengths.observe(len(inputs.req_ids), 0, seconds)
+            if self.bets is not None:
+                self.bets.idle()
         elif (self.lengths is not None and len(drafts)
                 and drafts.min() == drafts.max() > 0):
             self.lengths.observe(len(inputs.req_ids), int(drafts[0]), seconds)
@@ -405,6 +401,9 @@ class SpecDecoder:
         if not self.policy.gates_requests or lengths is None:
             return True
         self.gate.record(req_id, drafts, accepted, lengths)
+        own = self.gate.acceptance_of(req_id)
+        if self.bets is not None and own is not None:
+            self.bets.record(round(own.reached[0]), drafts, accepted)
         if self.gate.pays(req_id, batch, lengths):
             return True
         self._stop((req_id,))
