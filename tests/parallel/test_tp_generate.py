@@ -19,7 +19,7 @@ from esurge.spec_decode.config import EagleLayout
 from tests.engine.conftest import mixed_prompts
 from tests.models.gguf_export import export_gguf
 from tests.parallel.conftest import GREEDY, Run, assert_same_run, engine_config, run_workload
-from tests.spec_decode.helpers import random_head, spec_config
+from tests.spec_decode.helpers import AloneOnly, random_head, spec_config
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
@@ -79,6 +79,36 @@ def test_eagle_drafts_verify_to_the_same_tokens(tmp_path: Path,
         assert stats is not None and stats.num_draft_tokens > 0
         assert (ahead > 0) is async_
     assert all(tokens == results[1, False] for tokens in results.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_request_moved_back_on_a_mesh_keeps_one_devices_tokens(
+        tmp_path: Path, checkpoint: Callable[..., Path], async_: bool) -> None:
+    # Drafting only alone: the long request decodes plain steps beside the three
+    # short ones, then is moved back to where its head's cache stops and computes
+    # those tokens again on the sharded devices (head_sync.py).
+    target = checkpoint("llama")
+    head = random_head(target, tmp_path / "head", EagleLayout.EAGLE1, seed=5)
+    prompts = [[5, 9, 22, 7, 3, 14, 60, 2, 8], [4, 8, 15, 16, 23, 42], [7, 7, 1, 30, 2],
+               [11, 3, 19, 40, 6, 2, 9]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (40, 6, 6, 6)]
+    with eSurge(target, engine_config(num_pages=64), warmup=False,
+                show_progress=False) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with eSurge(target, spec_config(2, head, async_=async_), warmup=False,
+                show_progress=False, parallel_config=ParallelConfig(2)) as llm:
+        spec = llm.runner.spec
+        assert spec is not None and llm.runner.resyncs_heads
+        spec.policy = AloneOnly(prompts=True)
+        free = llm.stats.num_free_pages
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        assert [o.token_ids for o in outs] == want
+        assert llm.loop.core.num_rewound >= 1
+        assert outs[0].num_draft_tokens > 0
+        assert not spec.sync.head_end and not spec.sync.rewound
+        assert llm.stats.num_free_pages == free  # every page back
 
 
 _KERNELS_OFF = """

@@ -2,6 +2,8 @@
 
 - `random_head`: a random EAGLE-1 or EAGLE-3 head for any target (low
   acceptance; greedy output must not change).
+- `AloneOnly`: a policy drafting only where a request runs alone (moving
+  requests back, head_sync.py).
 - `bigram_pair`: a Llama whose attention outputs are zeroed and whose second
   layer's MLP is zeroed, so its next token depends on the current token
   only, plus an EAGLE-1 head that recomputes that function exactly (fc keeps
@@ -27,8 +29,9 @@ from esurge.models import load_model
 from esurge.spec_decode.checkpoint import eagle_config_dict, save_eagle_head
 from esurge.spec_decode.config import EagleConfig, EagleLayout
 from esurge.spec_decode.head import init_head
+from esurge.spec_decode.policy import SpeculationPolicy
 
-__all__ = ["bigram_next_probs", "bigram_pair", "random_head", "spec_config"]
+__all__ = ["AloneOnly", "bigram_next_probs", "bigram_pair", "random_head", "spec_config"]
 
 MAX_MODEL_LEN = 96
 
@@ -124,3 +127,13 @@ def bigram_next_probs(target_dir: Path, temperature: float = 1.0) -> np.ndarray:
     with torch.no_grad():
         logits = model(torch.arange(vocab)[:, None]).logits[:, -1].double()
     return torch.softmax(logits / temperature, dim=-1).numpy()
+
+
+class AloneOnly(SpeculationPolicy):
+    """Steps draft only alone; with `prompts`, prompts always pass through the head."""
+
+    def __init__(self, prompts: bool) -> None:
+        self.prompts = prompts
+
+    def speculate(self, batch: int, measurable: bool = True) -> bool:
+        return batch == 1 or (self.prompts and batch > 0 and not measurable)

@@ -10,20 +10,9 @@ import numpy as np
 import pytest
 
 from esurge import SamplingParams, eSurge
-from esurge.spec_decode.policy import SpeculationPolicy
 from tests.spec_decode.conftest import BIGRAM_K
-from tests.spec_decode.helpers import bigram_next_probs, spec_config
+from tests.spec_decode.helpers import AloneOnly, bigram_next_probs, spec_config
 from tests.spec_decode.test_bigram_engine import greedy_chain
-
-
-class AloneOnly(SpeculationPolicy):
-    """Steps draft only alone; with `prompts`, prompts always pass through the head."""
-
-    def __init__(self, prompts: bool) -> None:
-        self.prompts = prompts
-
-    def speculate(self, batch: int, measurable: bool = True) -> bool:
-        return batch == 1 or (self.prompts and batch > 0 and not measurable)
 
 
 def _run(target: Path, head: Path, async_: bool, resync: bool, prompts: bool = True
