@@ -21,9 +21,15 @@ decoding at batch 4 across runs). Each request counts alike: its first
 counts follow is no centre for a trial: requests whose drafts pay verify
 many times more often than those the gate stops after two or three, so
 after six easy chats it read 0.78, and a batch of 4 would have tried
-drafting where none of the next chats gained. A request alone still bets
-on `trial_rate` itself: the request gate's early verdict stops a loser
-after two or three verifications.
+drafting where none of the next chats gained. A request alone bets as far
+above the centre as `trial_rate` lies above the recorded rate (requests
+spread about their mean, and the spread is kept): where no trial's drafts
+were accepted, a lone request stops trying too, sparing its prompt's pass
+through the head and the two or three verifications before the gate's
+early verdict (random-token prompts at batch 1, 24 sets paired against
+plain decoding: 0.976x per set, 15 verifications, against 0.955x and 72
+betting on `trial_rate` alone; chats, where every request tries either
+way: 1.118x against 1.123x per set).
 
 Requests that do not try record nothing, so an estimate that only trials
 refresh could stay low for good once it fell (a server at batch 4 or more
@@ -96,12 +102,15 @@ class TrialBets:
         return rate
 
     def bet(self, batch: int) -> Acceptance:
-        """The acceptance a trial of `batch` requests bets on (every position alike)."""
+        """The acceptance a trial of `batch` requests bets on (every position alike):
+        as far above the centre as `trial_rate` lies above the recorded rate, less
+        by 1/sqrt(batch)."""
         centre = self.centre()
         key = (batch, round(centre / _STEP))
         bet = self._bets.get(key)
         if bet is None:
-            rate = batch_trial_rate(self.trial_rate, centre, batch)
+            optimistic = min(1.0, centre + max(self.trial_rate - self.prior, 0.0))
+            rate = batch_trial_rate(optimistic, centre, batch)
             bet = self._bets[key] = Acceptance(self.lengths.k, prior=rate)
         return bet
 

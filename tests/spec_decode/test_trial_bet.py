@@ -1,6 +1,6 @@
 """A trial of new requests bets on how recent requests' first verifications went:
-where they drafted poorly a batch of 4 stops trying, where they drafted as the
-head's trainer recorded nothing changes, and a lone request still tries."""
+where they drafted poorly a batch of 4 stops trying and a lone request bets
+lower, where they drafted as the head's trainer recorded nothing changes."""
 
 from __future__ import annotations
 
@@ -42,20 +42,31 @@ def trials_of(bets: TrialBets, requests: int, accepted: int, verifications: int 
 def test_a_fresh_engine_bets_on_the_heads_recorded_rate() -> None:
     bets = TrialBets(smollm2_costs(), 0.8, PRIOR)
     assert bets.centre() == pytest.approx(PRIOR, abs=0.01)
-    assert bets.bet(1).prior == pytest.approx(0.8)
-    assert bets.bet(4).prior == pytest.approx(batch_trial_rate(0.8, bets.centre(), 4))
+    # Alone: the policy's trial rate; a batch of 4 half as far above the centre.
+    assert bets.bet(1).prior == pytest.approx(0.8, abs=0.01)
+    assert bets.bet(4).prior == pytest.approx(
+        batch_trial_rate(bets.centre() + 0.8 - PRIOR, bets.centre(), 4))
+    assert bets.bet(4).prior == pytest.approx((0.8 + PRIOR) / 2, abs=0.01)
     assert bets.gain(4) == pytest.approx(
         bets.lengths.predicted_gain(4, (Acceptance(4, prior=bets.bet(4).prior),)))
 
 
-def test_poor_trials_stop_a_batch_of_four_from_trying_but_not_a_lone_request() -> None:
+def test_poor_trials_lower_every_bet() -> None:
     bets = TrialBets(smollm2_costs(), 0.8, PRIOR)
     alone, before = bets.gain(1), bets.gain(4)
     assert before > 1.1  # near the margin, 1.2: real steps' overheads moved it across
     trials_of(bets, requests=6, accepted=0)  # random-token prompts: nothing accepted
-    assert bets.centre() < 0.2
+    centre = bets.centre()
+    assert centre < 0.2
     assert bets.gain(4) < 1.0 < MARGIN_AT_4  # a loss even before the margin
-    assert bets.gain(1) == pytest.approx(alone)  # alone it bets on trial_rate itself
+    # Alone a request still bets the recorded spread above the centre.
+    assert bets.bet(1).prior == pytest.approx(centre + 0.8 - PRIOR, abs=0.01)
+    assert bets.gain(1) < alone - 0.3
+
+
+def test_a_head_recorded_above_the_trial_rate_bets_on_the_centre() -> None:
+    bets = TrialBets(smollm2_costs(), 0.8, 0.9)
+    assert bets.bet(1).prior == pytest.approx(bets.centre()) == pytest.approx(0.9, abs=0.01)
 
 
 def test_each_request_counts_alike() -> None:
