@@ -134,24 +134,22 @@ class eSurgeRunner:
                                     self.num_pages, self.page_size, self.max_rows,
                                     make_policy(settings.speculation))
         self.step_kinds: tuple[StepKind, ...] = self._step_kinds()
+        # Moving a request's position on the host's word alone needs one host
+        # (followers mirror host-known schedules) and full-attention caches
+        # (a windowed cache frees pages by a position the host only bounds).
+        movable = (self.spec is not None and settings.parallel_config.num_hosts == 1
+                   and all(isinstance(g.spec, FullAttentionSpec)
+                           for g in self.cache_groups.groups))
         # Under async scheduling a steady speculative step hands its drafts to
         # the next step at dispatch (PendingStep.ahead), which then starts where
-        # the device's verification leaves each request. Not over windowed
-        # caches (pages freed by a position the host only bounds) nor across
-        # hosts (followers mirror host-known drafts).
-        self.hands_drafts_ahead = (
-            self.spec is not None and sched.async_scheduling
-            and settings.parallel_config.num_hosts == 1
-            and all(isinstance(g.spec, FullAttentionSpec) for g in self.cache_groups.groups))
+        # the device's verification leaves each request.
+        self.hands_drafts_ahead = movable and sched.async_scheduling
         # The speculative step dispatched last, until collected, if it handed drafts ahead.
         self.in_flight_spec: PendingStep | None = None
         # A request that decoded plain steps drafts again where drafting pays at
         # its batch size once the tokens its head missed are computed again
-        # (SpecDecoder.resyncs): not over windowed caches (their pages before
-        # the window are gone) nor across hosts.
-        self.resyncs_heads = (
-            self.spec is not None and settings.parallel_config.num_hosts == 1
-            and all(isinstance(g.spec, FullAttentionSpec) for g in self.cache_groups.groups))
+        # (SpecDecoder.resyncs).
+        self.resyncs_heads = movable
 
     def _step_kinds(self) -> tuple[StepKind, ...]:
         """The ways this runner runs steps, in the order they are offered a step."""

@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import logging
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ class LockstepExecutor:
         """None across hosts (see eSurgeRunner.resyncs_heads)."""
         return {}
 
-    def rewound(self, computed: Any) -> None:
+    def rewound(self, computed: Mapping[str, int]) -> None:
         """Nothing moves back across hosts."""
 
     def shutdown(self) -> None:
